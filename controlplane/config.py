@@ -1,0 +1,74 @@
+"""Engine configuration, checked when it is made."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # HuggingFace model folder: config.json, *.safetensors, tokenizer files
+    device: str = "auto"  # "cuda", "cuda:N", "cpu", or "auto" (cuda when available)
+    dtype: str = "auto"  # "auto" (bf16 on GPU unless the checkpoint says fp16; fp32 on CPU), float32, float16, bfloat16
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256  # requests in one step, and data-plane slots
+    max_num_batched_tokens: int = 16384  # tokens in one step; longer prompts are prefilled in chunks
+    max_model_len: int = 4096  # prompt + output; capped by the model's max_position_embeddings
+    kvcache_block_size: int = 0  # tokens per KV block; 0: 256 on GPU, 16 on CPU
+    num_kvcache_blocks: int = 0  # set by hand: overrides the memory profile; 0 sizes the cache from memory
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the data plane may use in all
+    cpu_kvcache_gib: float = 2.0  # KV cache budget on a CPU data plane
+    enforce_eager: bool = False  # no CUDA graphs, no torch.compile
+    attention_backend: str = "auto"  # "torch", "triton", "flash-attn" or "auto"
+    seed: int = 0  # seeds the shared sampling generator of rank 0
+    hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {self.model!r} has no config.json")
+        self.model = os.fspath(path)
+        with open(path / "config.json") as f:
+            self.hf_config = json.load(f)
+        if self.device == "auto":
+            self.device = "cuda" if _cuda_visible() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kvcache_block_size == 0:
+            self.kvcache_block_size = 16 if self.device == "cpu" else 256
+        bs = self.kvcache_block_size
+        if bs < 16 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {bs}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kvcache_blocks < 0:
+            raise ValueError(f"num_kvcache_blocks must be >= 0, got {self.num_kvcache_blocks}")
+        limit = self.hf_config.get("max_position_embeddings")
+        if limit:
+            self.max_model_len = min(self.max_model_len, int(limit))
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "torch", "triton", "flash-attn"):
+            raise ValueError(f"attention_backend must be auto, torch, triton or flash-attn, got {self.attention_backend!r}")
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or ["?"]
+        return archs[0]
+
+
+def _cuda_visible() -> bool:
+    # The control plane has no torch: look for the NVIDIA driver instead. The embedded engine, which
+    # has torch, resolves "auto" itself before building the config.
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidia0") or os.path.isdir("/proc/driver/nvidia/gpus")

@@ -1,0 +1,141 @@
+"""The engine loop: validate requests, schedule a step, describe it to the data plane, apply the result.
+
+The same loop drives an in-process data plane (embedded `LLM`) and remote ranks over ZeroMQ (the
+service); only the `DataPlaneClient` differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from controlplane.config import EngineConfig
+from controlplane.sampling_params import SamplingParams
+from controlplane.scheduler import Scheduler, SchedulerOutput
+from controlplane.sequence import FinishReason, Sequence
+from proto.plane import NewRequest, PlaneInfo, StepDescriptor, StepResult, int32_column
+
+
+class DataPlaneClient(Protocol):
+    """How the engine reaches the data plane: in-process or over a transport."""
+
+    def start(self) -> list[PlaneInfo]:
+        """Bring the ranks up and return each rank's handshake."""
+
+    def execute(self, desc: StepDescriptor) -> StepResult:
+        """Run one step on every rank and return rank 0's result."""
+
+    def close(self) -> None:
+        """Stop the ranks and release their memory."""
+
+
+@dataclass(slots=True)
+class StepOutput:
+    produced: list[Sequence]  # requests that gained an output token this step
+    finished: list[Sequence]  # requests that ended this step (a subset of produced)
+    num_tokens: int  # tokens computed this step
+    is_prefill: bool
+    forward_time_s: float = 0.0
+    rows: list[Sequence] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, data_plane: DataPlaneClient, eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.data_plane = data_plane
+        self.infos = data_plane.start()
+        info = self.infos[0]
+        self.num_kv_blocks = min(i.num_kv_blocks for i in self.infos)
+        self.vocab_size = info.vocab_size
+        self.block_size = info.block_size
+        self.max_model_len = min(config.max_model_len, info.max_model_len)
+        self.scheduler = Scheduler(self.num_kv_blocks, self.block_size, min(config.max_num_seqs, info.max_num_seqs),
+                                   config.max_num_batched_tokens, eos_token_ids)
+        self.step_id = 0
+        self.epoch = info.epoch
+        self.seqs: dict[int, Sequence] = {}
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a message a person understands; nothing is queued on failure."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if len(token_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in [0, {self.vocab_size})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "
+                             f"more than max_model_len {self.max_model_len}")
+        if total > self.kv_capacity_tokens:
+            raise ValueError(f"prompt plus max_tokens is {total} tokens, more than the KV cache holds "
+                             f"({self.kv_capacity_tokens} tokens)")
+
+    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+        token_ids = list(token_ids)
+        self.validate(token_ids, params)
+        seq = Sequence(token_ids, params, self.block_size)
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq_id: int) -> None:
+        """Drop a request at once, wherever it is, and free its blocks; unknown ids are ignored."""
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def step(self) -> StepOutput:
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return StepOutput([], [], 0, False)
+        desc = self.describe(out)
+        result = self.data_plane.execute(desc)
+        if result.error:
+            raise RuntimeError(f"data plane failed step {desc.step_id}: {result.error}")
+        if result.step_id != desc.step_id:
+            raise RuntimeError(f"data plane answered step {result.step_id} to step {desc.step_id}")
+        produced = self.scheduler.postprocess(out, result.sampled_token_ids.tolist())
+        finished = [seq for seq in produced if seq.is_finished]
+        for seq in finished:
+            self.seqs.pop(seq.seq_id, None)
+        return StepOutput(produced, finished, out.num_tokens, out.is_prefill, result.forward_time_s, out.seqs)
+
+    def describe(self, out: SchedulerOutput) -> StepDescriptor:
+        """The step as deltas against what each data-plane slot already holds."""
+        new_requests = []
+        for seq in out.new_seqs:
+            new_requests.append(NewRequest(seq.seq_id, seq.slot, int32_column(seq.token_ids),
+                                           int32_column(seq.block_table), seq.num_computed_tokens,
+                                           seq.params.to_spec()))
+            seq.num_sent_blocks = len(seq.block_table)
+        offsets, appended = [0], []
+        for seq in out.seqs:
+            appended.extend(seq.block_table[seq.num_sent_blocks:])
+            seq.num_sent_blocks = len(seq.block_table)
+            offsets.append(len(appended))
+        desc = StepDescriptor(
+            step_id=self.step_id,
+            epoch=self.epoch,
+            new_requests=new_requests,
+            slots=int32_column([seq.slot for seq in out.seqs]),
+            num_computed=int32_column([seq.num_computed_tokens for seq in out.seqs]),
+            num_scheduled=int32_column([seq.num_scheduled_tokens for seq in out.seqs]),
+            appended_offsets=int32_column(offsets),
+            appended_block_ids=int32_column(appended),
+            free_slots=int32_column(out.freed_slots),
+        )
+        self.step_id += 1
+        return desc
+
+    def close(self) -> None:
+        self.data_plane.close()

@@ -1,0 +1,154 @@
+"""Which requests run in the next step, and how many tokens each computes.
+
+The seeds' semantics (nano-vllm): waiting requests first, as a prefill step; when the token budget
+runs out, only the head of the queue may be split (chunked prefill); with nothing to prefill, a
+decode step over the running requests; when the KV cache is full, the newest running request is
+preempted (its blocks freed, to be recomputed later) and goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from controlplane.block_manager import BlockManager
+from controlplane.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[Sequence]  # rows of the step, in order
+    is_prefill: bool
+    new_seqs: list[Sequence] = field(default_factory=list)  # admitted to a slot this step
+    freed_slots: list[int] = field(default_factory=list)  # slots released since the last step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(seq.num_scheduled_tokens for seq in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.released_slots: list[int] = []
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._schedule_prefill()
+        if not out.seqs:
+            out = self._schedule_decode()
+        out.freed_slots, self.released_slots = self.released_slots, []
+        return out
+
+    def _schedule_prefill(self) -> SchedulerOutput:
+        out = SchedulerOutput([], True)
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seq.slot < 0 and not self.free_slots:
+                break
+            if not seq.block_table:
+                num_cached_blocks = self.block_manager.can_allocate(seq)
+                if num_cached_blocks == -1:
+                    break
+                num_tokens = seq.num_tokens - num_cached_blocks * self.block_manager.block_size
+            else:
+                num_tokens = seq.num_tokens - seq.num_computed_tokens
+            # Only the first request of a step may be cut short (chunked prefill).
+            if num_tokens > budget and out.seqs:
+                break
+            if not seq.block_table:
+                self.block_manager.allocate(seq, num_cached_blocks)
+                if seq.num_completion_tokens == 0:
+                    seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            if seq.slot < 0:
+                seq.slot = self.free_slots.pop()
+                out.new_seqs.append(seq)
+            seq.num_scheduled_tokens = min(num_tokens, budget)
+            budget -= seq.num_scheduled_tokens
+            out.seqs.append(seq)
+            if seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.status = SequenceStatus.RUNNING
+                self.waiting.popleft()
+                self.running.append(seq)
+            else:
+                break  # a chunked head takes the rest of the budget
+        return out
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        out = SchedulerOutput([], False)
+        bm = self.block_manager
+        while self.running and len(out.seqs) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not bm.can_append(seq, seq.num_tokens):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                seq.num_scheduled_tokens = 1
+                bm.may_append(seq, seq.num_tokens)
+                out.seqs.append(seq)
+        self.running.extendleft(reversed(out.seqs))
+        return out
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            self.released_slots.append(seq.slot)
+            seq.slot = -1
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free seq's blocks and slot; it is recomputed from its tokens when readmitted."""
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.deallocate(seq)
+        self._release_slot(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End seq wherever it is (running, waiting, mid-prefill) and free what it holds."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.deallocate(seq)
+        self._release_slot(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+        """Apply a step's sampled tokens; returns the rows that produced an output token."""
+        produced = []
+        for seq, token_id in zip(out.seqs, token_ids, strict=True):
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that stopped before the last prompt token
+            seq.append_token(token_id)
+            produced.append(seq)
+            params = seq.params
+            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+                self.finish(seq, FinishReason.STOP)
+            elif seq.num_completion_tokens >= params.max_tokens:
+                self.finish(seq, FinishReason.LENGTH)
+        return produced

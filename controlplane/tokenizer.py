@@ -1,0 +1,42 @@
+"""Text to token ids and back, and the model's chat template; HuggingFace tokenizers without torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str):
+        self.hf = AutoTokenizer.from_pretrained(model_dir, use_fast=True)
+        self.eos_token_ids = self._eos_ids(Path(model_dir))
+
+    def _eos_ids(self, model_dir: Path) -> tuple[int, ...]:
+        # generation_config.json may list several end tokens (chat models end turns with their own).
+        ids: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            path = model_dir / name
+            if path.is_file():
+                value = json.loads(path.read_text()).get("eos_token_id")
+                ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+        if self.hf.eos_token_id is not None:
+            ids.add(self.hf.eos_token_id)
+        return tuple(sorted(ids))
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for a conversation, ending where the assistant's answer starts."""
+        if not self.has_chat_template:
+            raise ValueError("this model has no chat template: send a plain text prompt instead")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

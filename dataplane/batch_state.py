@@ -1,0 +1,90 @@
+"""Per-request state a data-plane rank keeps between steps, one slot per running request.
+
+Descriptors only carry deltas, so this is where a request's tokens, block table and sampling
+parameters live. Tokens sit in a device buffer: a decode step's input is the token sampled last step,
+read on the device, so the control plane never sends it back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from proto.plane import NewRequest, StepDescriptor
+
+
+class StepRefused(Exception):
+    """The descriptor does not fit this rank's state (lost, repeated or corrupt); nothing was run."""
+
+
+class BatchState:
+    def __init__(self, num_slots: int, max_model_len: int, block_size: int, device: torch.device):
+        self.num_slots, self.max_model_len, self.block_size = num_slots, max_model_len, block_size
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_buf = torch.zeros(num_slots, max_model_len, dtype=torch.int64, device=device)
+        self.block_tables = np.zeros((num_slots, self.max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(num_slots, dtype=np.int32)
+        self.num_known = np.zeros(num_slots, dtype=np.int32)  # tokens this slot holds
+        self.num_computed = np.full(num_slots, -1, dtype=np.int32)  # -1 marks a free slot
+        self.temperature = np.zeros(num_slots, dtype=np.float32)
+        self.top_k = np.zeros(num_slots, dtype=np.int32)
+        self.top_p = np.ones(num_slots, dtype=np.float32)
+        self.min_p = np.zeros(num_slots, dtype=np.float32)
+        self.seeds: list[int | None] = [None] * num_slots
+        self.generators: list[torch.Generator | None] = [None] * num_slots
+
+    def apply(self, desc: StepDescriptor, make_generator) -> None:
+        """Bring the slots up to date with a descriptor; raise StepRefused if it does not fit."""
+        for slot in desc.free_slots.tolist():
+            self._check_slot(slot)
+            self.num_computed[slot] = -1
+            self.generators[slot] = None
+        for req in desc.new_requests:
+            self._admit(req, make_generator)
+        slots, computed, scheduled = desc.slots, desc.num_computed, desc.num_scheduled
+        if not (len(computed) == len(scheduled) == len(slots) == len(desc.appended_offsets) - 1):
+            raise StepRefused("descriptor columns have different lengths")
+        if len(slots) and ((slots < 0).any() or (slots >= self.num_slots).any()):
+            raise StepRefused("descriptor names a slot outside the batch")
+        if len(np.unique(slots)) != len(slots):
+            raise StepRefused("descriptor schedules a slot twice")
+        if (self.num_computed[slots] != computed).any():
+            bad = int(np.flatnonzero(self.num_computed[slots] != computed)[0])
+            raise StepRefused(f"slot {int(slots[bad])} has {int(self.num_computed[slots[bad]])} computed tokens, "
+                              f"the descriptor says {int(computed[bad])}: a step was lost or repeated")
+        if (scheduled < 1).any() or (computed + scheduled > self.num_known[slots]).any():
+            raise StepRefused("descriptor schedules tokens this rank does not hold")
+        offsets, appended = desc.appended_offsets, desc.appended_block_ids
+        for r in np.flatnonzero(offsets[1:] != offsets[:-1]).tolist():
+            slot, new = int(slots[r]), appended[offsets[r]:offsets[r + 1]]
+            start = self.num_blocks[slot]
+            if start + len(new) > self.max_blocks:
+                raise StepRefused(f"slot {slot} would hold more blocks than max_model_len allows")
+            self.block_tables[slot, start:start + len(new)] = new
+            self.num_blocks[slot] = start + len(new)
+        needed = -(-(computed + scheduled) // self.block_size)
+        if (needed > self.num_blocks[slots]).any():
+            raise StepRefused("descriptor computes tokens beyond a request's block table")
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise StepRefused(f"slot {slot} is outside the batch of {self.num_slots}")
+
+    def _admit(self, req: NewRequest, make_generator) -> None:
+        slot, n, nb = req.slot, len(req.token_ids), len(req.block_ids)
+        self._check_slot(slot)
+        if self.num_computed[slot] != -1:
+            raise StepRefused(f"slot {slot} is still in use by another request")
+        if not 0 < n <= self.max_model_len or nb > self.max_blocks:
+            raise StepRefused(f"request {req.request_id} does not fit max_model_len {self.max_model_len}")
+        self.token_buf[slot, :n] = torch.from_numpy(req.token_ids.astype(np.int64)).to(self.token_buf.device)
+        self.num_known[slot] = n
+        self.block_tables[slot, :nb] = req.block_ids
+        self.num_blocks[slot] = nb
+        if not 0 <= req.num_cached_tokens < n or req.num_cached_tokens > nb * self.block_size:
+            raise StepRefused(f"request {req.request_id} claims {req.num_cached_tokens} cached tokens of {n}")
+        self.num_computed[slot] = req.num_cached_tokens
+        s = req.sampling
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
+            s.temperature, s.top_k, s.top_p, s.min_p)
+        self.generators[slot] = make_generator(s.seed) if s.seed is not None else None

@@ -1,0 +1,69 @@
+"""A data plane inside this host without a network transport: rank 0 in this process, other
+tensor-parallel ranks in spawned processes fed over pipes. The embedded `LLM` uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import socket
+
+from dataplane.config import DataPlaneConfig
+from dataplane.model_runner import ModelRunner
+from proto.plane import PlaneInfo, StepDescriptor, StepResult
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_rank(cfg: DataPlaneConfig, conn) -> None:
+    runner = ModelRunner(cfg)
+    conn.send(runner.info())
+    while True:
+        desc = conn.recv()
+        if desc is None:
+            break
+        # Every rank holds the same state and sees the same descriptor, so a refusal is the same
+        # on all ranks; rank 0 reports it.
+        runner.execute(desc)
+    runner.close()
+
+
+class LocalDataPlane:
+    def __init__(self, cfg: DataPlaneConfig):
+        if cfg.world_size > 1 and not cfg.dist_init:
+            cfg = dataclasses.replace(cfg, dist_init=f"tcp://127.0.0.1:{free_port()}")
+        self.cfg = cfg
+        self.runner: ModelRunner | None = None
+        self.workers: list[tuple[mp.Process, object]] = []
+
+    def start(self) -> list[PlaneInfo]:
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.cfg.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve_rank, args=(dataclasses.replace(self.cfg, rank=rank), child), daemon=True)
+            proc.start()
+            self.workers.append((proc, parent))
+        self.runner = ModelRunner(dataclasses.replace(self.cfg, rank=0))
+        return [self.runner.info()] + [conn.recv() for _, conn in self.workers]
+
+    def execute(self, desc: StepDescriptor) -> StepResult:
+        for _, conn in self.workers:
+            conn.send(desc)
+        return self.runner.execute(desc)
+
+    def close(self) -> None:
+        for proc, conn in self.workers:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.workers = []
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None

@@ -1,0 +1,189 @@
+"""One data-plane rank: the model, its KV cache, the persistent batch state and (rank 0) the sampler.
+
+It obeys descriptors and holds no scheduling policy: each `execute` applies a descriptor's deltas,
+builds the attention context, runs the model, samples on rank 0 and shares the sampled ids with the
+other ranks so that every rank holds the next input tokens on its device.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from dataplane import kv_cache
+from dataplane.batch_state import BatchState, StepRefused
+from dataplane.config import DataPlaneConfig
+from dataplane.sampler import Sampler
+from models.attention_backend import resolve_backend_name, set_backend
+from models.context import AttentionContext, reset_context, set_context
+from models.loader import load_model
+from models.registry import model_class
+from proto.plane import PlaneInfo, StepDescriptor, StepResult
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str, hf_config) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device == "cpu":
+        return torch.float32
+    declared = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", "")).replace("torch.", "")
+    return torch.float16 if declared == "float16" else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, cfg: DataPlaneConfig):
+        self.cfg = cfg
+        self.rank, self.world_size = cfg.rank, cfg.world_size
+        if cfg.device == "cuda":
+            self.device = torch.device("cuda", cfg.rank)
+        else:
+            self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if cfg.world_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.world_size)
+        self.hf_config = AutoConfig.from_pretrained(cfg.model)
+        self.dtype = resolve_dtype(cfg.dtype, self.device.type, self.hf_config)
+        self.backend = resolve_backend_name(cfg.attention_backend, self.device.type)
+        set_backend(self.backend)
+        self.max_model_len = min(cfg.max_model_len, self.hf_config.max_position_embeddings)
+        self.block_size = cfg.block_size
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(self.hf_config)(self.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, cfg.model)
+        self.model.eval()
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.num_kv_blocks = self._size_kv_cache()
+        self.kv_cache = kv_cache.allocate(self.model, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        self.state = BatchState(cfg.max_num_seqs, self.max_model_len, self.block_size, self.device)
+        self.next_step_id = 0
+
+    def _size_kv_cache(self) -> int:
+        if self.cfg.num_kvcache_blocks:
+            return self.cfg.num_kvcache_blocks
+        if self.device.type == "cpu":
+            return kv_cache.cpu_blocks(self.model, self.block_size, self.dtype, self.cfg.cpu_kvcache_gib)
+        self._profile_run()
+        blocks = kv_cache.gpu_blocks(self.model, self.block_size, self.dtype, self.cfg.gpu_memory_utilization)
+        if blocks < 1:
+            raise RuntimeError("no GPU memory left for the KV cache: raise gpu_memory_utilization, lower "
+                               "max_num_batched_tokens, or use more tensor-parallel ranks")
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward over a full token budget, to measure the activation peak the KV cache must leave room for."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs * self.max_model_len)
+        seq_len = min(self.max_model_len, num_tokens)
+        num_seqs = max(1, num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        scratch = kv_cache.allocate(self.model, num_seqs * blocks_per_seq, self.block_size, self.dtype, self.device)
+        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=self.device).view(num_seqs, -1)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        slot_mapping = (tables.long()[:, :, None] * self.block_size
+                        + torch.arange(self.block_size, device=self.device)).flatten(1)[:, :seq_len].flatten()
+        set_context(AttentionContext(
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=torch.arange(0, (num_seqs + 1) * seq_len, seq_len, dtype=torch.int32, device=self.device),
+            max_seqlen_q=seq_len,
+            context_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
+            max_context_len=seq_len,
+            block_tables=tables,
+        ))
+        hidden = self.model(torch.zeros_like(positions), positions)
+        self.model.compute_logits(hidden[: min(num_seqs, self.cfg.max_num_seqs)])
+        reset_context()
+        del scratch, hidden
+        torch.cuda.synchronize()
+
+    def info(self) -> PlaneInfo:
+        return PlaneInfo(
+            rank=self.rank, world_size=self.world_size, epoch=self.cfg.epoch, num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size, max_num_seqs=self.cfg.max_num_seqs, max_model_len=self.max_model_len,
+            vocab_size=self.hf_config.vocab_size, architecture=type(self.model).__name__,
+            device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
+        )
+
+    def execute(self, desc: StepDescriptor) -> StepResult:
+        start = time.perf_counter()
+        try:
+            if desc.step_id != self.next_step_id:
+                raise StepRefused(f"expected step {self.next_step_id}, got step {desc.step_id}")
+            self.state.apply(desc, self.sampler.generator)
+        except StepRefused as e:
+            return StepResult(desc.step_id, np.zeros(0, dtype=np.int32), error=f"rank {self.rank} refused: {e}")
+        self.next_step_id += 1
+        sampled = self._run(desc)
+        return StepResult(desc.step_id, sampled, forward_time_s=time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _run(self, desc: StepDescriptor) -> np.ndarray:
+        st, bs = self.state, self.block_size
+        slots, computed, scheduled = desc.slots, desc.num_computed, desc.num_scheduled
+        num_rows = len(slots)
+        row_of_token = np.repeat(np.arange(num_rows), scheduled)
+        cu = np.zeros(num_rows + 1, dtype=np.int32)
+        np.cumsum(scheduled, out=cu[1:])
+        positions = (np.arange(cu[-1], dtype=np.int64) - cu[row_of_token] + computed[row_of_token])
+        slot_of_token = slots[row_of_token]
+        slot_mapping = st.block_tables[slot_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        context_lens = computed + scheduled
+        max_blocks = int(-(-context_lens.max() // bs))
+        dev = self.device
+        positions_t = torch.from_numpy(positions).to(dev)
+        input_ids = st.token_buf[torch.from_numpy(slot_of_token.astype(np.int64)).to(dev), positions_t]
+        set_context(AttentionContext(
+            is_decode=bool((scheduled == 1).all()),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu).to(dev),
+            max_seqlen_q=int(scheduled.max()),
+            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
+            max_context_len=int(context_lens.max()),
+            block_tables=torch.from_numpy(np.ascontiguousarray(st.block_tables[slots, :max_blocks])).to(dev),
+        ))
+        hidden = self.model(input_ids, positions_t)
+        reset_context()
+        logits = self.model.compute_logits(hidden[torch.from_numpy(cu[1:] - 1).to(dev)])
+        if self.rank == 0:
+            sampled = self.sampler(
+                logits.float(),
+                torch.from_numpy(st.temperature[slots]).to(dev),
+                torch.from_numpy(st.top_k[slots]).to(dev),
+                torch.from_numpy(st.top_p[slots]).to(dev),
+                torch.from_numpy(st.min_p[slots]).to(dev),
+                [st.generators[s] for s in slots.tolist()],
+            )
+        else:
+            sampled = torch.empty(num_rows, dtype=torch.int64, device=dev)
+        if self.world_size > 1:
+            dist.broadcast(sampled, src=0)
+        # A row that computed its slot's last known token produced the next one; keep it as the
+        # slot's next input. Mid-prompt chunks sample too, but that token is discarded.
+        st.num_computed[slots] = context_lens
+        grew = np.flatnonzero((context_lens == st.num_known[slots]) & (context_lens < self.max_model_len))
+        if len(grew):
+            grew_t = torch.from_numpy(grew).to(dev)
+            st.token_buf[torch.from_numpy(slots[grew].astype(np.int64)).to(dev),
+                         torch.from_numpy(context_lens[grew].astype(np.int64)).to(dev)] = sampled[grew_t]
+            st.num_known[slots[grew]] += 1
+        return sampled.to(torch.int32).cpu().numpy() if self.rank == 0 else np.zeros(0, dtype=np.int32)
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+

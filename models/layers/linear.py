@@ -1,0 +1,102 @@
+"""Linear layers split over tensor-parallel ranks, each parameter with a loader that takes its shard.
+
+Column-parallel layers split the output features (no communication); row-parallel layers split the
+input features and all-reduce the partial sums. Merged layers (QKV, gate-up) hold several
+checkpoint tensors in one weight; their loader is told which part (`shard_id`) it is given.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.parallel import divide, tp_rank, tp_size
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim == 0:  # column-parallel: weight rows and bias entries are split alike
+            size = param.size(0)
+            loaded = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, divide(output_size, tp_size(), "output features"), bias, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs side by side (gate and up projections)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        target = param.data.narrow(0, offset, size)
+        _copy(target, loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one weight; each rank holds its heads of all three."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp, "attention heads")
+        self.num_kv_heads = divide(num_kv_heads, tp, "key/value heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(divide(input_size, tp_size(), "input features"), output_size, bias, 1)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 2:
+            size = param.size(1)
+            loaded = loaded.narrow(1, self.tp_rank * size, size)
+        _copy(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once, after the partial products are summed.
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y + self.bias if self.bias is not None else y

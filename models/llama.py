@@ -1,0 +1,129 @@
+"""Llama-family decoder (LlamaForCausalLM); Qwen3 is the same with per-head q/k RMSNorm.
+
+Model math only: tensor parallelism lives in the layers (`models/layers/`), batch structure in the
+attention context. `forward(input_ids, positions)` takes the step's tokens packed into one row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.layers.activation import SiluAndMul
+from models.layers.attention import Attention
+from models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from models.layers.layernorm import RMSNorm
+from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.layers.rotary import RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config, qk_norm: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, hidden, bias=bias)
+        theta, scaling = _rope(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        if config.hidden_act != "silu":
+            raise ValueError(f"activation {config.hidden_act!r} is not supported (only silu)")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, qk_norm: bool):
+        super().__init__()
+        self.self_attn = SelfAttention(config, qk_norm)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    # checkpoint name -> (parameter holding it, part of that parameter)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config):
+        super().__init__()
+        self.model = DecoderModel(config, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the given hidden states; None on ranks other than 0 under tensor parallelism."""
+        return self.lm_head(hidden)
+
+
+def _rope(config) -> tuple[float, dict | None]:
+    """Rotary base and scaling: transformers 5 keeps both in rope_parameters, older ones apart."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling = params if params else getattr(config, "rope_scaling", None)
+    return float(theta), scaling

@@ -1,0 +1,95 @@
+"""The contract between the control plane and the data plane.
+
+One `StepDescriptor` goes to every rank each step; rank 0 answers with one `StepResult`. The data
+plane keeps per-request state in *slots* between steps, so a descriptor carries deltas: a request's
+prompt, sampling parameters and initial block table travel once (`NewRequest`), after that only its
+row in the column arrays and the block ids it gained.
+
+Columns are numpy int32 arrays so that a 256-row decode descriptor packs into a few buffers. Counts
+are absolute (tokens computed so far, not "one more"), which makes a lost or repeated descriptor
+detectable on the data plane instead of silently computing on the wrong state.
+
+This module imports numpy only: both planes (and a data plane in another language, one day) read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def int32_column(values=()) -> np.ndarray:
+    """A contiguous int32 column, the one array type descriptors carry."""
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int32).reshape(-1))
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    """What the sampler on rank 0 needs of a request; fixed for the request's life."""
+
+    temperature: float = 1.0  # 0 means greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 disables
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 disables
+    min_p: float = 0.0  # drop tokens below min_p * p(max); 0 disables
+    seed: int | None = None  # per-request generator; None draws from the plane's shared generator
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the data plane has not seen in its slot yet (first admission, or after preemption)."""
+
+    request_id: int  # control-plane sequence id, for error messages and tracing only
+    slot: int  # row of the data plane's persistent batch state that this request occupies
+    token_ids: np.ndarray  # int32: every token known so far (the prompt, plus output kept over a preemption)
+    block_ids: np.ndarray  # int32: the request's whole block table at admission
+    num_cached_tokens: int  # leading tokens whose KV the prefix cache already holds in block_ids
+    sampling: SamplingSpec  # sampling parameters for rank 0
+
+
+@dataclass(slots=True)
+class StepDescriptor:
+    """One step of work. Rows are the scheduled requests, in the order results come back."""
+
+    step_id: int  # consecutive from 0 per epoch; a gap or repeat is refused
+    epoch: int = 0  # bumps when the control plane (re)attaches a data plane; stale steps are refused
+    new_requests: list[NewRequest] = field(default_factory=list)  # admitted this step (also listed in rows)
+    slots: np.ndarray = field(default_factory=int32_column)  # int32 [R]: slot of each scheduled row
+    num_computed: np.ndarray = field(default_factory=int32_column)  # int32 [R]: tokens with KV cached before this step
+    num_scheduled: np.ndarray = field(default_factory=int32_column)  # int32 [R]: tokens to compute this step
+    # Block ids appended to each row's block table since the last step, in CSR form: row r gained
+    # appended_block_ids[appended_offsets[r]:appended_offsets[r + 1]].
+    appended_offsets: np.ndarray = field(default_factory=lambda: int32_column([0]))  # int32 [R + 1]
+    appended_block_ids: np.ndarray = field(default_factory=int32_column)  # int32 [sum of appends]
+    free_slots: np.ndarray = field(default_factory=int32_column)  # int32: slots whose requests ended; applied first
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.slots.shape[0])
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Rank 0's answer to one descriptor."""
+
+    step_id: int  # the descriptor's step_id
+    sampled_token_ids: np.ndarray  # int32 [R]: one sampled token per row (ignored for mid-prompt chunks)
+    forward_time_s: float = 0.0  # wall time the data plane spent on the step
+    error: str = ""  # non-empty when the data plane refused or failed the step
+
+
+@dataclass(slots=True)
+class PlaneInfo:
+    """What a rank reports once it is ready (the handshake); the control plane sizes itself from it."""
+
+    rank: int  # tensor-parallel rank of the reporting process
+    world_size: int  # tensor-parallel size
+    epoch: int  # echo of the control plane's epoch
+    num_kv_blocks: int  # KV cache blocks this rank allocated; the control plane uses the minimum
+    block_size: int  # tokens per KV block
+    max_num_seqs: int  # slots in the persistent batch state
+    max_model_len: int  # longest sequence the rank can hold (token buffer width)
+    vocab_size: int  # rows of the output head; sampled ids are below it
+    architecture: str  # config.json architectures[0]
+    device: str  # "cuda:0", "cpu", ...
+    dtype: str  # model dtype, e.g. "bfloat16"
