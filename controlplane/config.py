@@ -58,7 +58,8 @@ class EngineConfig:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "torch", "triton", "flash-attn"):
-            raise ValueError(f"attention_backend must be auto, torch, triton or flash-attn, got {self.attention_backend!r}")
+            raise ValueError("attention_backend must be auto, torch, triton or flash-attn, "
+                             f"got {self.attention_backend!r}")
 
     @property
     def architecture(self) -> str:

@@ -39,6 +39,7 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.released_slots: list[int] = []
         self.num_preemptions = 0
+        self.num_chunked_prefills = 0  # steps that cut a prompt short, for tests and metrics
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -85,6 +86,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self.running.append(seq)
             else:
+                self.num_chunked_prefills += 1
                 break  # a chunked head takes the rest of the budget
         return out
 

@@ -3,6 +3,7 @@ tensor-parallel ranks in spawned processes fed over pipes. The embedded `LLM` us
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import socket
@@ -56,10 +57,8 @@ class LocalDataPlane:
 
     def close(self) -> None:
         for proc, conn in self.workers:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()

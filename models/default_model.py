@@ -84,16 +84,23 @@ def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
             start = time.perf_counter()
             convert_gguf(gguf, tmp)
             os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
-            os.rename(tmp, target)
             _log(f"converted {MODEL_NAME} in {time.perf_counter() - start:.1f} s")
-        except BaseException:
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                # Where flock is not honoured (some network filesystems) another process may have won the
+                # rename; its folder is as good as ours.
+                if not _is_complete(target):
+                    raise
+        finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return target
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Write the GGUF model as an HF folder (float32 safetensors, config, tokenizer) into ``out_dir``."""
+    # Imported here: transformers costs seconds to import, and callers that find the cache never need it.
+    from tokenizers import pre_tokenizers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # local_files_only: the GGUF sits beside nothing else, and a miss must never turn into a hub download.
@@ -106,7 +113,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(out_dir)
 
     if not tokenizer.chat_template:
@@ -114,8 +120,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     # transformers ignores the GGUF's `tokenizer.ggml.pre = "smollm"` and builds a plain ByteLevel
     # pre-tokenizer. SmolLM2's own tokenizer (and llama.cpp's "smollm") first isolates every digit; without
     # that, "\n\n1." encodes as 'Ċ','Ċ','1' instead of 'ĊĊ','1', off the model's training distribution.
-    from tokenizers import pre_tokenizers
-
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),

@@ -12,7 +12,8 @@ from torch import nn
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                         f"parameter {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
@@ -25,7 +26,7 @@ def load_model(model: nn.Module, model_dir: str) -> None:
     loaded_names: set[str] = set()
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 target, shard = name, None
                 for ckpt_name, (param_name, shard_id) in packed.items():
                     if f".{ckpt_name}." in name:

@@ -40,7 +40,8 @@ class LinearBase(nn.Module):
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit "
+                         f"parameter {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
