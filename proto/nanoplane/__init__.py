@@ -1,0 +1,1 @@
+"""Public gRPC API of nanoplane, by version; generated modules live beside their .proto files."""
