@@ -1,0 +1,150 @@
+"""Streaming text from streaming token ids: incremental detokenization and stop strings.
+
+Decoding each new token alone is wrong in two ways: byte-level vocabularies split one character
+over several tokens (a lone piece decodes to U+FFFD), and SentencePiece-style decoders drop the
+leading space of the first token they see. So the detokenizer decodes a short window that starts a
+few tokens back ("prefix") and emits only what the window gained past the text already emitted
+("read" offset); while the window's text ends in U+FFFD the character is still incomplete and
+nothing moves. Windows start only where an earlier window ended cleanly, so the pieces join up to
+exactly what decoding all ids at once gives.
+
+Stop strings are matched on the emitted text. Text that could still grow into a stop string is
+held back, so a client never receives a piece of output that a later token turns into a stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+# Tokens of prompt kept as decoding context: enough for a decoder's leading-space rule and for a
+# multi-byte character split over byte tokens, small enough that each decode stays cheap.
+CONTEXT_TOKENS = 6
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns token ids, as they arrive, into final text pieces."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        if prompt_ids:
+            self._use_context(list(prompt_ids))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _use_context(self, prompt: list[int]) -> None:
+        # The context must decode cleanly at its end (else its broken last character would swallow
+        # the first output character in the length difference) and should start on a character
+        # boundary; a prompt that ends mid-character gets no context, as decoding the output alone
+        # would treat it.
+        start = max(0, len(prompt) - CONTEXT_TOKENS)
+        while start > 0 and self._decode(prompt[start:]).startswith(REPLACEMENT) and len(prompt) - start < 12:
+            start -= 1
+        if self._decode(prompt[start:]).endswith(REPLACEMENT):
+            return
+        self.token_ids = prompt[start:]
+        self.read_offset = len(self.token_ids)
+
+    def push(self, token_ids: Iterable[int]) -> str:
+        """Add new ids; returns the text they settle (possibly empty)."""
+        self.token_ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The end of the stream: whatever is held back, even a broken character."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.read_offset == len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT)):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        # Only the window from prefix_offset is ever decoded again: drop what lies before it so a
+        # long output does not keep a growing list.
+        if self.prefix_offset > 64:
+            del self.token_ids[:self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        return full_text[len(prefix_text):]
+
+
+class StopMatcher:
+    """Cuts text at the first stop string, holding back any tail that may start one."""
+
+    def __init__(self, stops: Sequence[str]):
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        self.stops = tuple(stops)
+        self.held = ""
+        self.stopped = False
+        self.matched: str | None = None
+
+    def push(self, text: str) -> str:
+        """Add text; returns the part that is settled and comes before any stop string."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        self.held += text
+        # The stop that completes first wins (ties: the one starting earlier), as it would if the
+        # text came one character at a time: the outcome must not depend on how tokens are batched.
+        best: tuple[int, int] | None = None
+        matched = None
+        for stop in self.stops:
+            i = self.held.find(stop)
+            if i != -1 and (best is None or (i + len(stop), i) < best):
+                best, matched = (i + len(stop), i), stop
+        if best is not None:
+            out, self.held = self.held[:best[1]], ""
+            self.stopped, self.matched = True, matched
+            return out
+        keep = self._partial_stop_len()
+        out = self.held[:len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep:]
+        return out
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of held text that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.held)), best, -1):
+                if self.held.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        """The end of the stream: held-back text turned out not to be a stop string."""
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+
+class TextStream:
+    """Detokenizer and stop strings together: what the server sends for one request."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (), stops: Sequence[str] = ()):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """True once the text reached a stop string: the request is over, whatever the engine says."""
+        return self.stop.stopped
+
+    def push(self, token_ids: Iterable[int], finished: bool = False) -> str:
+        """New text for new ids; with finished=True, also everything held back."""
+        text = self.stop.push(self.detokenizer.push(token_ids))
+        if finished and not self.stopped:
+            text += self.stop.push(self.detokenizer.flush())
+            text += self.stop.flush()
+        return text
