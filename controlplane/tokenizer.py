@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+# PreTrainedTokenizerFast, not AutoTokenizer: importing the latter loads torch when it is installed.
+from transformers import PreTrainedTokenizerFast
 
 
 class Tokenizer:
     def __init__(self, model_dir: str):
-        self.hf = AutoTokenizer.from_pretrained(model_dir, use_fast=True)
+        if not (Path(model_dir) / "tokenizer.json").is_file():
+            raise ValueError(f"model folder {model_dir!r} has no tokenizer.json (a fast tokenizer is required)")
+        self.hf = PreTrainedTokenizerFast.from_pretrained(model_dir)
         self.eos_token_ids = self._eos_ids(Path(model_dir))
 
     def _eos_ids(self, model_dir: Path) -> tuple[int, ...]:

@@ -1,0 +1,83 @@
+"""Bad input raises ValueError with a message a person understands, and harms no other request."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy
+
+from controlplane import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"stop_token_ids": [-4]}, "stop_token_ids"),
+    ({"temperature": float("nan")}, "temperature"),
+])
+def test_invalid_sampling_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    engine = LLM(str(tiny_models["qwen3"]), device="cpu", max_model_len=256)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ([], SamplingParams(), "empty"),
+    ("", SamplingParams(), "empty"),
+    ([1, 2, 10_000], SamplingParams(), r"token 2 is 10000.*\[0, 384\)"),
+    ([1, -1], SamplingParams(), "token 1 is -1"),
+    ([1, "2"], SamplingParams(), "token 1"),
+    ([1] * 250, SamplingParams(max_tokens=10), "max_model_len 256"),
+    (12, SamplingParams(), "string or a list"),
+])
+def test_bad_prompts_raise_and_leave_others_untouched(llm, tiny_models, prompt, params, match):
+    good = [5, 6, 7, 8]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # A request already queued on the engine survives the bad call.
+    queued = llm.engine.add_request(good, greedy)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([good, prompt], [greedy, params], use_tqdm=False)
+    assert llm.engine.scheduler.waiting[-1] is queued and len(llm.engine.scheduler.waiting) == 1
+    while llm.engine.has_work():
+        llm.engine.step()
+    expected = hf_greedy(tiny_models["qwen3"], good, 6)
+    assert queued.completion_token_ids == expected
+    assert llm.generate([good], greedy, use_tqdm=False)[0]["token_ids"] == expected
+
+
+def test_kv_cache_smaller_than_one_request(tiny_models):
+    llm = LLM(str(tiny_models["qwen3"]), device="cpu", num_kvcache_blocks=2, kvcache_block_size=16)
+    try:
+        with pytest.raises(ValueError, match=r"KV cache holds \(32 tokens\)"):
+            llm.generate([[1] * 30], SamplingParams(max_tokens=5), use_tqdm=False)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"kvcache_block_size": 24}, "power of two"),
+    ({"kvcache_block_size": 8}, "power of two"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"attention_backend": "xformers"}, "attention_backend"),
+    ({"device": "tpu"}, "device"),
+])
+def test_bad_engine_options(tiny_models, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_models["qwen3"]), **{"device": "cpu", **kwargs})
+
+
+def test_missing_model_and_unknown_architecture(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")

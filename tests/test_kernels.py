@@ -1,0 +1,249 @@
+"""Triton kernels against their fp32 torch references (kernels/reference.py).
+
+Without CUDA the kernels run in Triton's interpreter (numpy, one program at a time), so the CPU
+cases use tiny shapes; the real shapes are in the `gpu`-marked cases at the end.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first import of a kernel module (tests/conftest.py sets it too): @triton.jit
+    # picks interpreter or compiler when the decorator runs. Importing triton earlier is harmless.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import kernels.decode_attention as decode_module  # noqa: E402
+from kernels import (  # noqa: E402
+    apply_rotary,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    store_kvcache,
+)
+from kernels import reference as ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# (q heads, kv heads, head_dim): MHA, GQA 2 and 4, SmolLM2's 9/3; plus non-power-of-two D.
+HEADS = [(4, 4, 64), (4, 2, 128), (8, 2, 64), (9, 3, 64)]
+DTYPES = [torch.float32, torch.float16]  # the interpreter cannot tl.dot bf16 (GPU cases cover it)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# The interpreter truncates fp32 -> bf16 instead of rounding to nearest even (triton 3.9), so
+# bit-exactness with torch's bf16 rounding is only checked on a GPU.
+ROUNDS_BF16 = os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    # Fresh inputs for every case, yet reproducible: seed from the test id.
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "unwritten (poisoned) or non-finite elements"
+    return ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def paged_cache(ctx_lens, page, hkv, d, dtype):
+    """Random K/V caches with each sequence's pages scattered; unused table entries are -1."""
+    need = [-(-n // page) for n in ctx_lens]
+    num_blocks = sum(need) + 2  # spare blocks no table points at: reading them would show
+    k_cache = torch.randn(num_blocks, page, hkv, d, device=DEV).to(dtype)
+    v_cache = torch.randn(num_blocks, page, hkv, d, device=DEV).to(dtype)
+    perm = torch.randperm(num_blocks, device=DEV).int()
+    tables = torch.full((len(ctx_lens), max(need + [0]) + 1), -1, dtype=torch.int32, device=DEV)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    return k_cache, v_cache, tables
+
+
+def i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("page,hkv,d,slot_dtype", [(16, 3, 64, torch.int32), (256, 2, 128, torch.int64),
+                                                   (32, 1, 80, torch.int64)])
+def test_store_kvcache(dtype, page, hkv, d, slot_dtype):
+    n, num_blocks = 13, 3
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    v_cache = k_cache.clone()
+    # Key and value as strided views of one fused buffer, as the QKV projection produces them.
+    fused = torch.randn(n, 2 * hkv + 1, d, device=DEV).to(dtype)
+    key, value = fused[:, :hkv], fused[:, hkv : 2 * hkv]
+    slots = torch.randperm(num_blocks * page, device=DEV)[:n].to(slot_dtype)
+    slots[[0, 5, n - 1]] = -1
+    store_kvcache(key, value, k_cache, v_cache, slots)
+    keep = slots >= 0
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    assert torch.equal(flat_k[slots[keep]], key[keep]) and torch.equal(flat_v[slots[keep]], value[keep])
+    untouched = torch.ones(num_blocks * page, dtype=torch.bool, device=DEV)
+    untouched[slots[keep]] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+@pytest.mark.parametrize("page,ctx_lens,num_splits", [
+    (16, [1, 37, 0, 130, 65], None),
+    (32, [200, 1, 63], 3),
+    (256, [0, 300, 7], 2),
+    (64, [129, 5], 1),
+])
+def test_decode(dtype, hq, hkv, d, page, ctx_lens, num_splits, monkeypatch):
+    k_cache, v_cache, tables = paged_cache(ctx_lens, page, hkv, d, dtype)
+    q = torch.randn(len(ctx_lens), hq + 2, d, device=DEV).to(dtype)[:, 1 : hq + 1]  # strided view
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    poisoned = lambda shape, device: torch.full(shape, float("nan"), device=device)
+    monkeypatch.setattr(decode_module, "_workspace", poisoned)
+    scale = d**-0.5
+    paged_decode_attention(q, k_cache, v_cache, tables, i32(ctx_lens), scale, out=out, num_splits=num_splits)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(ctx_lens), scale)
+    assert rel_err(out, expected) < TOL[dtype]
+    for b, n in enumerate(ctx_lens):
+        if n == 0:
+            assert (out[b] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+@pytest.mark.parametrize("page,q_lens,ctx_lens", [
+    (16, [37, 1, 70], [37, 1, 70]),  # plain prefill, odd lengths
+    (32, [5, 0, 33, 1], [69, 3, 33, 17]),  # cached prefixes, an empty chunk, a decode-like row
+    (256, [20, 9], [300, 9]),
+])
+def test_prefill(dtype, hq, hkv, d, page, q_lens, ctx_lens):
+    k_cache, v_cache, tables = paged_cache(ctx_lens, page, hkv, d, dtype)
+    cu = i32([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    q = torch.randn(sum(q_lens), hq, d + 16, device=DEV).to(dtype)[..., :d]  # strided view
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    scale = d**-0.5
+    args = (cu, i32(ctx_lens), tables, max(q_lens) + 3, scale)  # max_seqlen_q is an upper bound
+    paged_prefill_attention(q, k_cache, v_cache, *args, out=out)
+    expected = ref.paged_prefill_attention_ref(q, k_cache, v_cache, *args)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128)])
+def test_chunked_prefill_matches_one_shot(hq, hkv, d):
+    """Store + attend chunk by chunk through the cache == causal attention over the whole prompt."""
+    page, length, chunks = 16, 90, [40, 1, 31, 18]
+    k_cache, v_cache, tables = paged_cache([length], page, hkv, d, torch.float32)
+    q, k, v = (torch.randn(length, h, d, device=DEV) for h in (hq, hkv, hkv))
+    pos = torch.arange(length, device=DEV)
+    slots = tables[0, pos // page].long() * page + pos % page
+    outs, done = [], 0
+    for c in chunks:
+        store_kvcache(k[done : done + c], v[done : done + c], k_cache, v_cache, slots[done : done + c])
+        done += c
+        outs.append(paged_prefill_attention(q[done - c : done], k_cache, v_cache, i32([0, c]), i32([done]),
+                                            tables, c, d**-0.5))
+    expected = ref.causal_attention(q, k, v, pos, d**-0.5)
+    assert rel_err(torch.cat(outs), expected) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 100, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    t = 7
+    x = torch.randn(t, hidden + 8, device=DEV).to(dtype)[:, 4 : hidden + 4]  # row-strided view
+    weight = (1 + 0.1 * torch.randn(hidden, device=DEV)).to(dtype)
+    residual = torch.randn(t, hidden, device=DEV).to(dtype) if with_residual else None
+    out = torch.full((t, hidden), float("nan"), dtype=dtype, device=DEV)
+    res_out = torch.full_like(out, float("nan")) if with_residual else None
+    got = rms_norm(x, weight, 1e-6, residual, out=out, residual_out=res_out)
+    expected = ref.rms_norm_ref(x, weight, 1e-6, residual)
+    exact = dtype != torch.bfloat16 or ROUNDS_BF16
+    tol = TOL[dtype] / 4 if exact else TOL[dtype]
+    if with_residual:
+        assert got[1] is res_out and rel_err(res_out, expected[1]) < tol
+        assert torch.equal(res_out, expected[1]) or not exact  # same add, same rounding
+        got, expected = got[0], expected[0]
+    assert got is out and rel_err(out, expected) < tol
+    if dtype != torch.float32 and exact:
+        # HF's order of roundings is reproduced: all but a few elements agree bit for bit (the fp32
+        # sum order and rsqrt may differ, and rarely that flips the last bit after rounding).
+        assert (out != expected).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,rot_dim", [(9, 3, 64, 64), (4, 2, 128, 128), (2, 1, 64, 32)])
+def test_rotary(dtype, hq, hkv, d, rot_dim):
+    t, max_pos = 11, 4096
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, device=DEV).float() / rot_dim))
+    freqs = torch.outer(torch.arange(max_pos, device=DEV).float(), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    fused = torch.randn(t, hq + 2 * hkv, d, device=DEV).to(dtype)
+    before = fused.clone()
+    q, k = fused[:, :hq], fused[:, hq : hq + hkv]
+    positions = torch.randint(0, max_pos, (t,), device=DEV)
+    expected_q, expected_k = ref.apply_rotary_ref(q, k, positions, cos_sin)
+    got_q, got_k = apply_rotary(q, k, positions, cos_sin)
+    assert got_q is q and got_k is k  # in place
+    tol = TOL[dtype] if dtype == torch.bfloat16 and not ROUNDS_BF16 else TOL[dtype] / 4
+    assert rel_err(q, expected_q) < tol and rel_err(k, expected_k) < tol
+    assert torch.equal(fused[:, hq + hkv :], before[:, hq + hkv :])  # V untouched
+    assert torch.equal(q[..., rot_dim:], before[:, :hq, rot_dim:])  # pass-through dims
+
+
+# ---- real shapes, GPU only ------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,max_ctx,page", [(256, 1024, 16), (256, 1024, 256), (2, 32768, 16)])
+def test_decode_gpu(batch, max_ctx, page):
+    hq, hkv, d, dtype = 16, 8, 128, torch.bfloat16
+    ctx_lens = torch.randint(1, max_ctx + 1, (batch,)).tolist()
+    ctx_lens[0] = max_ctx
+    k_cache, v_cache, tables = paged_cache(ctx_lens, page, hkv, d, dtype)
+    q = torch.randn(batch, hq, d, device=DEV, dtype=dtype)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, i32(ctx_lens), d**-0.5)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(ctx_lens), d**-0.5)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens,ctx_lens", [([4096], [4096]), ([1000, 1, 2048, 1047], [1500, 700, 2048, 3000])])
+def test_prefill_gpu(q_lens, ctx_lens):
+    hq, hkv, d, page, dtype = 16, 8, 128, 16, torch.bfloat16
+    k_cache, v_cache, tables = paged_cache(ctx_lens, page, hkv, d, dtype)
+    cu = i32([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=dtype)
+    args = (cu, i32(ctx_lens), tables, max(q_lens), d**-0.5)
+    out = paged_prefill_attention(q, k_cache, v_cache, *args)
+    assert rel_err(out, ref.paged_prefill_attention_ref(q, k_cache, v_cache, *args)) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.gpu
+def test_norm_rotary_store_gpu():
+    t, hidden, hq, hkv, d = 4096, 4096, 32, 8, 128
+    x, res = (torch.randn(t, hidden, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(hidden, device=DEV, dtype=torch.bfloat16)
+    out, new_res = rms_norm(x, w, 1e-6, res)
+    exp_out, exp_res = ref.rms_norm_ref(x, w, 1e-6, res)
+    assert torch.equal(new_res, exp_res) and rel_err(out, exp_out) < 4e-3
+    freqs = torch.outer(torch.arange(8192, device=DEV).float(), torch.rand(d // 2, device=DEV))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    q = torch.randn(t, hq, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, d, device=DEV, dtype=torch.bfloat16)
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    eq, ek = ref.apply_rotary_ref(q, k, pos, cos_sin)
+    apply_rotary(q, k, pos, cos_sin)
+    assert rel_err(q, eq) < 4e-3 and rel_err(k, ek) < 4e-3
+    k_cache, v_cache, _ = paged_cache([t], 16, hkv, d, torch.bfloat16)
+    slots = torch.randperm(k_cache.shape[0] * 16, device=DEV)[:t]
+    store_kvcache(k, k, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, hkv, d)[slots], k)

@@ -1,0 +1,153 @@
+"""Scheduler and engine loop on CPU with a fake data plane (no model): the seeds' semantics and the
+delta descriptors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from controlplane.config import EngineConfig
+from controlplane.engine import Engine
+from controlplane.sampling_params import SamplingParams
+from controlplane.sequence import FinishReason
+from proto.plane import PlaneInfo, StepDescriptor, StepResult
+
+VOCAB, EOS = 100, 0
+
+
+class FakeDataPlane:
+    """Tracks the slots like a real rank would and 'samples' slot + step + 1 (never EOS)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, max_num_seqs: int = 8):
+        self.num_blocks, self.block_size, self.max_num_seqs = num_blocks, block_size, max_num_seqs
+        self.descriptors: list[StepDescriptor] = []
+        self.tables: dict[int, list[int]] = {}
+        self.eos_at: dict[int, int] = {}  # request id -> step at which to sample EOS
+        self.slot_req: dict[int, int] = {}
+
+    def start(self) -> list[PlaneInfo]:
+        return [PlaneInfo(0, 1, 0, self.num_blocks, self.block_size, self.max_num_seqs, 512, VOCAB, "Fake", "cpu",
+                          "float32")]
+
+    def execute(self, desc: StepDescriptor) -> StepResult:
+        self.descriptors.append(desc)
+        for slot in desc.free_slots.tolist():
+            self.tables.pop(slot, None)
+        for req in desc.new_requests:
+            assert req.slot not in self.tables
+            self.tables[req.slot] = req.block_ids.tolist()
+            self.slot_req[req.slot] = req.request_id
+        for r, slot in enumerate(desc.slots.tolist()):
+            self.tables[slot] += desc.appended_block_ids[desc.appended_offsets[r]:desc.appended_offsets[r + 1]].tolist()
+            need = -(-(desc.num_computed[r] + desc.num_scheduled[r]) // self.block_size)
+            assert len(self.tables[slot]) >= need
+        tokens = [EOS if self.eos_at.get(self.slot_req[s]) == desc.step_id else 1 + (s + desc.step_id) % (VOCAB - 1)
+                  for s in desc.slots.tolist()]
+        return StepResult(desc.step_id, np.asarray(tokens, dtype=np.int32))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Fake"], "max_position_embeddings": 512}))
+    return str(tmp_path)
+
+
+def make_engine(model_dir, num_blocks=64, **kw) -> tuple[Engine, FakeDataPlane]:
+    dp = FakeDataPlane(num_blocks, max_num_seqs=kw.pop("max_num_seqs", 8))
+    cfg = EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=dp.max_num_seqs, **kw)
+    return Engine(cfg, dp, (EOS,)), dp
+
+
+def run(engine: Engine, limit: int = 1000) -> list:
+    outs = []
+    for _ in range(limit):
+        if not engine.has_work():
+            return outs
+        outs.append(engine.step())
+    raise AssertionError("engine did not finish")
+
+
+def test_prefill_first_then_decode_and_chunking(model_dir):
+    engine, dp = make_engine(model_dir, max_num_batched_tokens=50)
+    a = engine.add_request(list(range(1, 31)), SamplingParams(max_tokens=3))
+    b = engine.add_request(list(range(99, 19, -1)), SamplingParams(max_tokens=3))
+    steps = run(engine)
+    d = dp.descriptors
+    # Only the first request of a step may be chunked, so b waits: step 0 is a alone (30); step 1
+    # b's first 50; step 2 b's last 30 — all prefill before any decode.
+    assert [s.is_prefill for s in steps[:3]] == [True, True, True]
+    assert d[0].num_scheduled.tolist() == [30] and d[1].num_scheduled.tolist() == [50]
+    assert d[2].num_scheduled.tolist() == [30] and d[2].num_computed.tolist() == [50]
+    assert engine.scheduler.num_chunked_prefills == 1
+    assert all(not s.is_prefill for s in steps[3:])
+    assert a.finish_reason is FinishReason.LENGTH and len(a.completion_token_ids) == 3
+    assert b.finish_reason is FinishReason.LENGTH and len(b.completion_token_ids) == 3
+    # the prompt travels once; later rows of the same slot carry no token ids
+    assert [len(x.new_requests) for x in d[:3]] == [1, 1, 0]
+
+
+def test_descriptor_carries_only_appended_blocks(model_dir):
+    engine, dp = make_engine(model_dir)
+    engine.add_request(list(range(1, 16)), SamplingParams(max_tokens=20, ignore_eos=True))
+    run(engine)
+    appended = [x.appended_block_ids.tolist() for x in dp.descriptors]
+    # 15 prompt tokens, then 19 decode steps compute positions 15..33: block 0 came with the new
+    # request, block 1 is appended by the step computing position 16, block 2 by position 32's.
+    grew = [i for i, a in enumerate(appended) if a]
+    assert grew == [2, 18] and all(len(appended[i]) == 1 for i in grew)
+
+
+def test_max_num_seqs_and_slots(model_dir):
+    engine, dp = make_engine(model_dir, max_num_seqs=2)
+    seqs = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=2)) for _ in range(5)]
+    run(engine)
+    assert all(len(d.slots) <= 2 for d in dp.descriptors)
+    assert all(0 <= s < 2 for d in dp.descriptors for s in d.slots.tolist())
+    assert all(s.is_finished for s in seqs)
+    assert sorted(engine.scheduler.free_slots) == [0, 1]
+
+
+def test_preempts_the_newest_and_resumes_it_first(model_dir):
+    # 3 blocks of 16: two requests of 16-token prompts each need a second block after one decode step.
+    engine, dp = make_engine(model_dir, num_blocks=3)
+    old = engine.add_request(list(range(1, 17)), SamplingParams(max_tokens=20, ignore_eos=True))
+    new = engine.add_request(list(range(20, 36)), SamplingParams(max_tokens=20, ignore_eos=True))
+    run(engine)
+    assert engine.scheduler.num_preemptions >= 1
+    assert old.is_finished and new.is_finished
+    # the preempted request came back as a new request carrying its generated tokens too
+    readmitted = [r for d in dp.descriptors[1:] for r in d.new_requests if r.request_id == new.seq_id]
+    assert readmitted and len(readmitted[0].token_ids) > 16
+    bm = engine.scheduler.block_manager
+    assert bm.num_used_blocks == 0
+
+
+def test_eos_stops_and_abort_frees(model_dir):
+    engine, dp = make_engine(model_dir)
+    a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=50))
+    b = engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=50))
+    dp.eos_at[a.seq_id] = 3
+    engine.step()
+    engine.step()
+    assert engine.scheduler.block_manager.num_used_blocks > 0
+    b_slot = b.slot
+    engine.abort(b.seq_id)
+    assert b.finish_reason is FinishReason.ABORT
+    run(engine)
+    assert a.finish_reason is FinishReason.STOP and a.completion_token_ids[-1] == EOS
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    # the aborted slot is freed in the next descriptor
+    assert b_slot in dp.descriptors[2].free_slots.tolist()
+
+
+def test_result_for_wrong_step_is_an_error(model_dir):
+    engine, dp = make_engine(model_dir)
+    engine.add_request([1, 2], SamplingParams(max_tokens=2))
+    dp.execute = lambda desc: StepResult(desc.step_id + 1, np.zeros(1, dtype=np.int32))
+    with pytest.raises(RuntimeError, match="answered step"):
+        engine.step()
