@@ -1,0 +1,309 @@
+"""The control plane's `DataPlaneClient` over ZeroMQ: data-plane ranks in other processes or containers.
+
+The control plane binds one ROUTER socket (it is the stable endpoint; data planes come and go) and
+every rank connects two DEALERs to it (see dataplane/worker.py): a liveness socket for HELLO and
+heartbeats, and a data socket for READY, descriptors and results. A launcher run is one *launch*
+(a random launch id shared by its ranks); the first HELLO of a launch assigns it the next epoch.
+`start()` attaches the newest launch whose world_size ranks all reported READY.
+
+Failure never hangs the engine: a rank without a heartbeat for `heartbeat_timeout`, a step without a
+result for `step_timeout`, an unreachable rank or a fatal error turns into `DataPlaneUnavailable`
+from `execute` (and `ready` turns false). The failed launch is told to shut down with a restart exit
+code, so its supervisor restarts it; that new launch starts with empty slots and step 0. The engine
+must therefore abort the requests in flight when it catches `DataPlaneUnavailable`, call `start()`
+again and continue with fresh step ids and the new epoch. Messages of retired launches are ignored
+and their ranks are told to shut down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from proto.codec import (
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    Ready,
+    Result,
+    Shutdown,
+    Welcome,
+    decode,
+    encode_control,
+    encode_descriptor,
+)
+from proto.plane import PlaneInfo, StepDescriptor, StepResult
+
+EXIT_RESTART = 75  # the exit code a shut-down rank uses when its data plane should be restarted
+EXIT_CONFIG = 2  # a launch this control plane can never use (wrong world size): restarting will not help
+
+log = logging.getLogger("nanoplane.remote")
+
+
+class DataPlaneUnavailable(RuntimeError):
+    """No healthy data plane is attached; abort the requests in flight and `start()` again."""
+
+
+@dataclass(slots=True)
+class _Rank:
+    rank: int
+    pid: int
+    beat_ident: bytes  # ROUTER identity of the rank's liveness socket
+    last_seen: float
+    data_ident: bytes = b""  # ROUTER identity of the rank's data socket, known from READY
+    info: PlaneInfo | None = None
+
+
+@dataclass(slots=True)
+class _Launch:
+    launch_id: int
+    epoch: int
+    world_size: int
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+
+    def complete(self) -> bool:
+        return len(self.ranks) == self.world_size and all(r.info is not None for r in self.ranks.values())
+
+
+class RemoteDataPlane:
+    def __init__(self, address: str, world_size: int | None = None, *, heartbeat_timeout: float = 2.5,
+                 step_timeout: float = 120.0, start_timeout: float = 600.0, pending_timeout: float = 60.0):
+        """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any."""
+        self.world_size = world_size
+        self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
+        self.start_timeout, self.pending_timeout = start_timeout, pending_timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a departed rank fails instead of vanishing
+        self._sock.bind(address)
+        self.address: str = self._sock.last_endpoint.decode()
+        self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
+        self._launches: dict[int, _Launch] = {}
+        self._retired: set[int] = set()
+        self._attached: _Launch | None = None
+        self._failure = "no data plane attached yet"
+        self._next_epoch = 1
+        self._closed = False
+        # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
+        # do the same work themselves while they hold the lock.
+        self._watcher = threading.Thread(target=self._watch, name="nanoplane-remote-watch", daemon=True)
+        self._watcher.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._attached is not None
+
+    @property
+    def epoch(self) -> int:
+        return self._attached.epoch if self._attached else -1
+
+    @property
+    def rank_pids(self) -> dict[int, int]:
+        a = self._attached
+        return {r.rank: r.pid for r in a.ranks.values()} if a else {}
+
+    def start(self, timeout: float | None = None) -> list[PlaneInfo]:
+        """Attach a fresh data plane (one launched after any attached before) and return its handshakes.
+
+        A healthy attached data plane is retired first, so the one returned always starts empty at
+        step 0 of a new epoch."""
+        limit = self.start_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._lock:
+            if self._attached is not None:
+                self._retire(self._attached, EXIT_RESTART, "the control plane restarts the data plane")
+                self._attached = None
+            while True:
+                now = time.monotonic()
+                self._check(now)
+                complete = [launch for launch in self._launches.values() if launch.complete()]
+                if complete:
+                    return self._attach(max(complete, key=lambda launch: launch.epoch))
+                if now >= deadline:
+                    raise DataPlaneUnavailable(f"no data plane attached at {self.address} within {limit:.0f}s; "
+                                               f"waiting: {self._describe_pending()}")
+                self._pump(min(deadline - now, 0.1))
+
+    def execute(self, desc: StepDescriptor) -> StepResult:
+        """Send the step to every rank and wait for rank 0's result; DataPlaneUnavailable on failure."""
+        frames = encode_descriptor(desc)
+        with self._lock:
+            launch = self._attached
+            if launch is None:
+                raise DataPlaneUnavailable(self._failure)
+            for r in launch.ranks.values():
+                try:
+                    self._sock.send_multipart([r.data_ident, *frames], zmq.NOBLOCK, copy=False)
+                except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
+                    self._fail(f"rank {r.rank} (pid {r.pid}) is unreachable: {e}")
+                    raise DataPlaneUnavailable(self._failure) from None
+            rank0 = launch.ranks[0].data_ident
+            now = time.monotonic()
+            deadline, next_check = now + self.step_timeout, now + 0.1
+            while True:
+                if self._sock.poll(100):
+                    frames = self._sock.recv_multipart()
+                    msg = self._handle(frames[0], frames[1:], time.monotonic())
+                    if (isinstance(msg, Result) and msg.result.step_id == desc.step_id and frames[0] == rank0
+                            and self._attached is launch):
+                        return msg.result
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check(now)
+                    next_check = now + 0.1
+                if self._attached is not launch:
+                    raise DataPlaneUnavailable(self._failure)
+                if now >= deadline:
+                    self._fail(f"step {desc.step_id} got no result within {self.step_timeout:.0f}s")
+                    raise DataPlaneUnavailable(self._failure)
+
+    def close(self, stop_data_plane: bool = True) -> None:
+        """Release the socket; with stop_data_plane the ranks are told to exit 0 (no restart).
+
+        Without it they are left alone and exit by their control_timeout, as after a control-plane crash."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if stop_data_plane:
+                for launch in list(self._launches.values()):
+                    self._retire(launch, 0, "the control plane stopped")
+            self._attached = None
+            self._failure = "the data-plane client is closed"
+            self._sock.close(linger=1000 if stop_data_plane else 0)
+        self._watcher.join(timeout=5)
+        self._ctx.term()
+
+    # Everything below runs with self._lock held.
+
+    def _watch(self) -> None:
+        while not self._closed:
+            time.sleep(0.1)
+            if self._lock.acquire(blocking=False):
+                try:
+                    if not self._closed:
+                        self._pump(0)
+                        self._check(time.monotonic())
+                finally:
+                    self._lock.release()
+
+    def _pump(self, timeout_s: float) -> None:
+        """Handle every message that arrives within timeout_s (and those already queued)."""
+        if not self._sock.poll(max(timeout_s, 0) * 1000):
+            return
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames[0], frames[1:], time.monotonic())
+
+    def _send(self, ident: bytes, msg) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # a departed peer: the liveness checks deal with it
+            self._sock.send_multipart([ident, *encode_control(msg)], zmq.NOBLOCK)
+
+    def _handle(self, ident: bytes, frames: list[bytes], now: float):
+        try:
+            msg = decode(frames)
+        except ProtocolError as e:
+            log.warning("ignored a message from peer %s: %s", ident.hex(), e)
+            return None
+        if isinstance(msg, Hello):
+            self._hello(ident, msg, now)
+        elif isinstance(msg, Heartbeat):
+            launch = self._launches.get(msg.launch_id)
+            r = launch.ranks.get(msg.rank) if launch is not None and launch.epoch == msg.epoch else None
+            if r is None:
+                self._send(ident, Shutdown(EXIT_RESTART, "this control plane does not know your data plane "
+                                                         "(it was replaced, or the control plane restarted)"))
+            else:
+                r.last_seen = now
+                r.beat_ident = ident
+                self._send(ident, Heartbeat(msg.launch_id, msg.epoch, -1))
+        elif isinstance(msg, Ready):
+            launch = self._launches.get(msg.launch_id)
+            r = launch.ranks.get(msg.info.rank) if launch is not None else None
+            if r is None or msg.info.epoch != launch.epoch or msg.info.world_size != launch.world_size:
+                log.warning("ignored READY of an unknown or inconsistent rank: %s", msg.info)
+            else:
+                r.data_ident, r.info, r.last_seen = ident, msg.info, now
+        elif isinstance(msg, Result):
+            launch = self._attached
+            if launch is not None and msg.epoch == launch.epoch:
+                if msg.fatal:
+                    self._fail(msg.result.error)
+                return msg
+        else:
+            log.warning("ignored an unexpected %s from peer %s", type(msg).__name__, ident.hex())
+        return None
+
+    def _hello(self, ident: bytes, msg: Hello, now: float) -> None:
+        if msg.launch_id in self._retired:
+            self._send(ident, Shutdown(EXIT_RESTART, "this data plane was retired; restart it to re-attach"))
+            return
+        launch = self._launches.get(msg.launch_id)
+        if launch is None:
+            launch = self._launches[msg.launch_id] = _Launch(msg.launch_id, self._next_epoch, msg.world_size)
+            self._next_epoch += 1
+        expected = self.world_size or launch.world_size
+        if msg.world_size != expected or not 0 <= msg.rank < msg.world_size:
+            self._retire(launch, EXIT_CONFIG, f"rank {msg.rank} of a world of {msg.world_size}: this control plane "
+                                              f"runs tensor-parallel size {expected}")
+            self._send(ident, Shutdown(EXIT_CONFIG, f"tensor-parallel size {expected} expected"))
+            return
+        r = launch.ranks.get(msg.rank)
+        if r is None:
+            launch.ranks[msg.rank] = _Rank(msg.rank, msg.pid, ident, now)
+        else:
+            r.beat_ident, r.pid, r.last_seen = ident, msg.pid, now
+        self._send(ident, Welcome(msg.launch_id, launch.epoch))
+
+    def _check(self, now: float) -> None:
+        launch = self._attached
+        if launch is not None:
+            for r in launch.ranks.values():
+                if now - r.last_seen > self.heartbeat_timeout:
+                    self._fail(f"rank {r.rank} (pid {r.pid}) sent no heartbeat for {now - r.last_seen:.1f}s")
+                    break
+        for pending in list(self._launches.values()):
+            if pending is not self._attached and any(now - r.last_seen > self.pending_timeout
+                                                     for r in pending.ranks.values()):
+                self._retire(pending, EXIT_RESTART, "a rank of this data plane went silent before it attached")
+
+    def _fail(self, reason: str) -> None:
+        launch = self._attached
+        if launch is None:
+            return
+        self._failure = f"data plane of epoch {launch.epoch} failed: {reason}"
+        log.error("%s", self._failure)
+        self._retire(launch, EXIT_RESTART, reason)
+        self._attached = None
+
+    def _retire(self, launch: _Launch, exit_code: int, reason: str) -> None:
+        self._launches.pop(launch.launch_id, None)
+        self._retired.add(launch.launch_id)
+        for r in launch.ranks.values():
+            self._send(r.beat_ident, Shutdown(exit_code, reason))
+            if r.data_ident:
+                self._send(r.data_ident, Shutdown(exit_code, reason))
+
+    def _attach(self, launch: _Launch) -> list[PlaneInfo]:
+        for other in list(self._launches.values()):
+            if other.epoch < launch.epoch:
+                self._retire(other, EXIT_RESTART, "a newer data plane attached")
+        self._attached = launch
+        self._failure = ""
+        infos = [launch.ranks[i].info for i in range(launch.world_size)]
+        log.info("attached data plane of epoch %d: %d rank(s), %d KV blocks", launch.epoch, launch.world_size,
+                 min(i.num_kv_blocks for i in infos))
+        return infos
+
+    def _describe_pending(self) -> str:
+        parts = [f"epoch {launch.epoch}: {sum(r.info is not None for r in launch.ranks.values())} of "
+                 f"{launch.world_size} ranks ready" for launch in self._launches.values()]
+        return "; ".join(parts) or "no rank has said hello"

@@ -1,0 +1,137 @@
+"""Start the data plane: one process per tensor-parallel rank, attached to a control plane.
+
+    python -m dataplane.launcher --model DIR --control tcp://HOST:PORT --tensor-parallel-size N
+
+(`nanoplane dataplane ...` in the project CLI, through `add_arguments` and `main`.) The ranks share
+a random launch id, so the control plane groups them into one epoch. If any rank dies the launcher
+kills the others and exits with a non-zero code: a partial tensor-parallel group is useless, and a
+supervisor (systemd, Kubernetes) restarting the whole launcher is the recovery path. Exit code 0
+means the control plane stopped the data plane on purpose.
+
+This module does not import torch; each rank imports it in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import socket
+import sys
+from multiprocessing.connection import wait
+
+from dataplane.config import DataPlaneConfig
+from dataplane.worker import EXIT_FAILED, WorkerOptions, run_rank
+
+# rank and epoch are not flags: the launcher numbers the ranks, the control plane assigns the epoch.
+_NOT_FLAGS = {"model", "rank", "world_size", "epoch"}
+STOP_GRACE_S = 5.0
+
+log = logging.getLogger("nanoplane.launcher")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `nanoplane dataplane`: the launcher's own, then one per DataPlaneConfig field."""
+    parser.add_argument("--model", required=True, help="HuggingFace model folder")
+    parser.add_argument("--control", required=True, help="control plane address: tcp://host:port or ipc:///path")
+    parser.add_argument("--tensor-parallel-size", "--world-size", dest="world_size", type=int, default=1,
+                        help="ranks (processes, one GPU each) to start")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    parser.add_argument("--control-timeout", type=float, default=30.0,
+                        help="a rank exits when the control plane has been silent this many seconds")
+    for f in dataclasses.fields(DataPlaneConfig):
+        if f.name in _NOT_FLAGS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        elif f.name == "device":  # the real data plane is on GPUs; keep a CPU-only host working too
+            parser.add_argument(flag, default="auto", help="auto, cpu, cuda (rank r on cuda:r) or cuda:N")
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default!r}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(code: int | None) -> int:
+    if code is None or code == 0:
+        return code or 0
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the ranks until they stop; return the exit code for the launcher."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataPlaneConfig) if f.name not in _NOT_FLAGS}
+    fields.update(model=args.model, world_size=args.world_size)
+    if args.world_size > 1 and not fields["dist_init"]:
+        fields["dist_init"] = f"tcp://127.0.0.1:{_free_port()}"
+    opts = WorkerOptions(args.control, secrets.randbits(63), args.heartbeat_interval, args.control_timeout,
+                         parent_pid=os.getpid())
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run_rank, args=(DataPlaneConfig(**fields, rank=r), opts), name=f"nanoplane-rank{r}",
+                         daemon=True) for r in range(args.world_size)]
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("starting %d rank(s) of %s for control plane %s (launch %x)", len(procs), args.model,
+             args.control, opts.launch_id)
+    try:
+        for p in procs:
+            p.start()
+        return _supervise(procs)
+    except KeyboardInterrupt as e:
+        log.info("stopping the data plane (%s)", e)
+        _stop(procs)
+        return 128 + (signal.SIGTERM if str(e) == "SIGTERM" else signal.SIGINT)
+
+
+def _supervise(procs: list[mp.Process]) -> int:
+    running = list(procs)
+    while running:
+        wait([p.sentinel for p in running])
+        for p in [p for p in running if not p.is_alive()]:
+            running.remove(p)
+            if p.exitcode != 0:
+                log.error("%s exited with %s: stopping the other ranks", p.name, p.exitcode)
+                _stop(running)
+                return _exit_code(p.exitcode) or EXIT_FAILED
+        if running and len(running) < len(procs):
+            # One rank left cleanly (the control plane stopped us); the others got the same word.
+            wait([p.sentinel for p in running], timeout=STOP_GRACE_S)
+            codes = [_exit_code(p.exitcode) for p in running]
+            _stop(running)
+            return next((c for c in codes if c), 0) if all(c is not None for c in codes) else EXIT_FAILED
+    return 0
+
+
+def _stop(procs: list[mp.Process]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(STOP_GRACE_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanoplane dataplane", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return launch(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

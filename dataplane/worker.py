@@ -1,0 +1,181 @@
+"""One data-plane rank as a process: connect to the control plane, handshake, obey descriptors.
+
+Two ZeroMQ DEALER sockets reach the control plane's ROUTER (the control plane binds; ranks come and
+go). The liveness thread owns one: it says HELLO until the control plane WELCOMEs this launch with
+an epoch, then heartbeats; it runs beside the model so that a long step or a collective blocked by a
+dead peer never silences it, and it ends the process when the control plane has been silent for
+`control_timeout`, when the launcher is gone, or when told to SHUTDOWN. The main thread owns the
+other: it loads the model, reports READY with its PlaneInfo, then executes each descriptor. Rank 0
+answers every step; other ranks execute the same descriptor and answer only a fatal error, since a
+refusal (wrong epoch or step id) is the same on every rank and rank 0 already reports it.
+
+Exit codes: 0 when the control plane stopped the data plane on purpose, EXIT_RESTART when it went
+away or dropped this data plane (a supervisor restarts the launcher, which re-attaches with empty
+state), anything else for a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from dataplane.config import DataPlaneConfig
+from proto.codec import Heartbeat, Hello, ProtocolError, Ready, Shutdown, Welcome, decode, encode_control, encode_result
+from proto.plane import StepDescriptor, StepResult
+
+EXIT_RESTART = 75  # EX_TEMPFAIL
+EXIT_FAILED = 1
+EXIT_GRACE_S = 5.0  # how long the main thread gets to leave on its own before the process is ended
+
+log = logging.getLogger("nanoplane.dataplane")
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerOptions:
+    control: str  # the control plane's address, tcp://host:port or ipc:///path
+    launch_id: int  # shared by the ranks of one launcher run
+    heartbeat_interval: float = 0.5
+    control_timeout: float = 30.0  # exit when nothing was heard from the control plane this long
+    parent_pid: int = 0  # the launcher; exit when it is gone (0: do not watch)
+
+
+class _Liveness(threading.Thread):
+    def __init__(self, ctx: zmq.Context, opts: WorkerOptions, rank: int, world_size: int):
+        super().__init__(name=f"nanoplane-liveness-{rank}", daemon=True)
+        self.opts, self.rank, self.world_size = opts, rank, world_size
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no backlog of stale beats while disconnected
+        self.sock.connect(opts.control)
+        self.epoch = -1
+        self.welcomed = threading.Event()
+        self.exit_requested = threading.Event()
+        self.exit_code = 0
+        self._exit_lock = threading.Lock()  # both threads may see a SHUTDOWN; the first word counts
+
+    def request_exit(self, code: int, reason: str) -> None:
+        with self._exit_lock:
+            if self.exit_requested.is_set():
+                return
+            self.exit_code = code
+            (log.info if code == 0 else log.warning)("rank %d leaving (exit %d): %s", self.rank, code, reason)
+            self.exit_requested.set()
+
+    def run(self) -> None:
+        opts = self.opts
+        hello = encode_control(Hello(opts.launch_id, self.rank, self.world_size, os.getpid()))
+        last_heard = time.monotonic()
+        while not self.exit_requested.is_set():
+            beat = encode_control(Heartbeat(opts.launch_id, self.epoch, self.rank)) if self.welcomed.is_set() else hello
+            with contextlib.suppress(zmq.Again):  # not connected (yet): control_timeout below decides
+                self.sock.send_multipart(beat, zmq.NOBLOCK)
+            deadline = time.monotonic() + opts.heartbeat_interval
+            while (wait := deadline - time.monotonic()) > 0 and not self.exit_requested.is_set():
+                if self.sock.poll(wait * 1000) and self._handle(self.sock.recv_multipart()):
+                    last_heard = time.monotonic()
+            silent = time.monotonic() - last_heard
+            if silent > opts.control_timeout:
+                self.request_exit(EXIT_RESTART, f"no word from the control plane at {opts.control} for {silent:.1f}s")
+            if opts.parent_pid and os.getppid() != opts.parent_pid:
+                self.request_exit(EXIT_RESTART, "the launcher is gone")
+        # The main thread may be stuck in a collective whose peer died; do not wait for it forever.
+        time.sleep(EXIT_GRACE_S)
+        os._exit(self.exit_code)
+
+    def _handle(self, frames: list[bytes]) -> bool:
+        try:
+            msg = decode(frames)
+        except ProtocolError as e:
+            log.warning("rank %d ignored a malformed control message: %s", self.rank, e)
+            return False
+        if isinstance(msg, Welcome) and msg.launch_id == self.opts.launch_id:
+            self.epoch = msg.epoch
+            self.welcomed.set()
+        elif isinstance(msg, Shutdown):
+            self.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
+        return True
+
+
+def run_rank(cfg: DataPlaneConfig, opts: WorkerOptions) -> None:
+    """Process entry point of one rank; never returns (the process exits with a meaningful code)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the ranks
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{cfg.rank} %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    live = _Liveness(ctx, opts, cfg.rank, cfg.world_size)
+    live.start()
+    code = EXIT_FAILED
+    try:
+        code = _serve(ctx, cfg, opts, live)
+    except Exception:
+        log.exception("rank %d failed", cfg.rank)
+    logging.shutdown()
+    # Skip interpreter teardown: the liveness socket belongs to another thread and a process group
+    # with a dead peer may block in its destructor.
+    os._exit(code)
+
+
+def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _Liveness) -> int:
+    import torch  # here, not at import: the launcher imports this module and stays light
+
+    if cfg.device == "auto":
+        cfg = dataclasses.replace(cfg, device="cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cpu" and cfg.world_size > 1:
+        torch.set_num_threads(1)  # N ranks on one host's cores: one thread each, no oversubscription
+    from dataplane.model_runner import ModelRunner
+
+    runner = ModelRunner(cfg)
+    while not live.welcomed.wait(0.1):
+        if live.exit_requested.is_set():
+            return live.exit_code
+    epoch = live.epoch
+    data = ctx.socket(zmq.DEALER)
+    data.linger = 0
+    data.connect(opts.control)
+    data.send_multipart(encode_control(Ready(opts.launch_id, dataclasses.replace(runner.info(), epoch=epoch))))
+    log.info("rank %d ready: epoch %d, %d KV blocks on %s", cfg.rank, epoch, runner.num_kv_blocks, runner.device)
+    try:
+        while not live.exit_requested.is_set():
+            if not data.poll(100):
+                continue
+            try:
+                msg = decode(data.recv_multipart(copy=False))
+            except ProtocolError as e:
+                log.warning("rank %d ignored a malformed message: %s", cfg.rank, e)
+                continue
+            if isinstance(msg, StepDescriptor):
+                _step(runner, msg, epoch, data, cfg.rank)
+            elif isinstance(msg, Shutdown):
+                live.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
+    finally:
+        data.close()
+    runner.close()
+    return live.exit_code
+
+
+def _step(runner, desc: StepDescriptor, epoch: int, data: zmq.Socket, rank: int) -> None:
+    if desc.epoch != epoch:
+        result = StepResult(desc.step_id, np.zeros(0, np.int32),
+                            error=f"rank {rank} refused: descriptor of epoch {desc.epoch}, this data plane "
+                                  f"serves epoch {epoch}")
+    else:
+        try:
+            result = runner.execute(desc)
+        except Exception as e:
+            # The rank's state is unknown now: tell the control plane (any rank may), then die so
+            # the launcher takes the whole data plane down for a clean restart.
+            error = StepResult(desc.step_id, np.zeros(0, np.int32), error=f"rank {rank} failed: {e!r}")
+            data.send_multipart(encode_result(error, epoch, rank, fatal=True), copy=False)
+            raise
+    if rank == 0:
+        data.send_multipart(encode_result(result, epoch, rank), copy=False)
+    elif result.error:
+        log.warning("%s", result.error)
