@@ -1,0 +1,30 @@
+"""Triton kernels of the data plane. Each op has an fp32 torch twin in kernels.reference.
+
+triton is an optional dependency (the `gpu` extra): without it `import kernels` and
+`kernels.reference` still work and the ops raise ImportError when used. On a CPU the kernels run
+in Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is first imported, since
+@triton.jit (on our kernels and on triton.language's own helpers) chooses at import time.
+"""
+
+import importlib.util
+
+__all__ = [
+    "apply_rotary",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "store_kvcache",
+]
+
+if importlib.util.find_spec("triton") is not None:
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.prefill_attention import paged_prefill_attention
+    from kernels.rmsnorm import rms_norm
+    from kernels.rotary import apply_rotary
+    from kernels.store_kvcache import store_kvcache
+else:
+
+    def __getattr__(name: str):
+        if name in __all__:
+            raise ImportError(f"kernels.{name} needs triton (pip install 'nanoplane[gpu]')")
+        raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -1,0 +1,150 @@
+"""GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
+
+    python benchmarks/kernels.py [--only decode,prefill,rms_norm,rotary,store] [--dtype bf16]
+
+Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
+`cold` is triton's do_bench (L2 flushed before each call, one launch per call: what a step sees
+without CUDA graphs); `graph` replays the calls in a CUDA graph (no launch overhead, but the L2
+stays warm, so ops whose working set fits the 50 MB L2 can beat the HBM floor). Prefill is
+compute-bound, so its line also gives TFLOP/s against 787 (dense bf16).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import (  # noqa: E402
+    apply_rotary,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    store_kvcache,
+)
+from kernels import reference as ref  # noqa: E402
+
+BANDWIDTH = 4.24e12  # bytes/s
+MATMUL_FLOPS = 787e12  # bf16 dense
+HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention shape
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def paged(ctx_lens: list[int], page: int, dtype: torch.dtype):
+    need = [-(-n // page) for n in ctx_lens]
+    k_cache = torch.randn(sum(need), page, HKV, D, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.full((len(ctx_lens), max(need)), -1, dtype=torch.int32, device="cuda")
+    perm, used = torch.randperm(sum(need), device="cuda").int(), 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used : used + n]
+        used += n
+    return k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+
+
+def report(name: str, fn, nbytes: int, flops: float = 0.0, check=None) -> None:
+    if check is not None:
+        got, expected = check()
+        err = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+        assert err < 2e-2, f"{name}: relative error {err:.2e}"
+    cold = triton.testing.do_bench(fn, warmup=25, rep=200) * 1e3
+    graph = triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
+    floor = nbytes / BANDWIDTH * 1e6
+    line = (f"{name:<44} cold {cold:9.1f} us  graph {graph:9.1f} us  floor {floor:9.1f} us  "
+            f"{floor / graph:6.1%} of floor  {nbytes / graph / 1e3:7.0f} GB/s")
+    if flops:
+        line += f"  {flops / graph / 1e6:6.0f} TFLOP/s ({flops / MATMUL_FLOPS * 1e6:.1f} us at peak)"
+    print(line, flush=True)
+
+
+def bench_decode(dtype: torch.dtype) -> None:
+    esize = torch.finfo(dtype).bits // 8
+    for batch, ctx, page, splits in [(256, 1024, 16, None), (256, 1024, 256, None), (64, 4096, 16, None),
+                                     (8, 8192, 16, None), (1, 32768, 16, None), (1, 32768, 16, 1)]:
+        k_cache, v_cache, tables, lens = paged([ctx] * batch, page, dtype)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=dtype)
+        scale = D**-0.5
+        fn = lambda: paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits=splits)  # noqa: B023
+        check = lambda: (fn(), ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale))  # noqa: B023
+        nbytes = batch * ctx * HKV * D * 2 * esize + 2 * q.numel() * esize + tables.numel() * 4
+        name = f"decode B={batch} ctx={ctx} page={page} splits={splits or 'auto'}"
+        report(name, fn, nbytes, check=check)
+
+
+def bench_prefill(dtype: torch.dtype) -> None:
+    esize = torch.finfo(dtype).bits // 8
+    # (query lengths, context lengths): one long prompt, many short ones, a chunk after a prefix
+    for q_lens, ctx_lens in [([4096], [4096]), ([256] * 16, [256] * 16), ([512], [4096]),
+                             ([1024] * 4, [1024, 2048, 3072, 4096])]:
+        k_cache, v_cache, tables, lens = paged(ctx_lens, 16, dtype)
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=dtype)
+        args = (cu, lens, tables, max(q_lens), D**-0.5)
+        fn = lambda: paged_prefill_attention(q, k_cache, v_cache, *args)  # noqa: B023
+        check = lambda: (fn(), ref.paged_prefill_attention_ref(q, k_cache, v_cache, *args))  # noqa: B023
+        # Each query attends to (prefix + i + 1) keys: two matmuls of 2 flops per multiply-add.
+        visible = sum(q_n * (c - q_n) + q_n * (q_n + 1) // 2 for q_n, c in zip(q_lens, ctx_lens, strict=True))
+        flops = 4 * visible * HQ * D
+        nbytes = (sum(ctx_lens) * HKV * D * 2 + 2 * q.numel()) * esize
+        report(f"prefill q={q_lens[0]}x{len(q_lens)} ctx<={max(ctx_lens)}", fn, nbytes, flops, check)
+
+
+def bench_rms_norm(dtype: torch.dtype) -> None:
+    esize = torch.finfo(dtype).bits // 8
+    for tokens, hidden in [(256, 1024), (256, 4096), (8192, 1024), (8192, 4096)]:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+        res = torch.randn_like(x)
+        w = torch.randn(hidden, device="cuda", dtype=dtype)
+        report(f"rms_norm T={tokens} H={hidden}", lambda: rms_norm(x, w, 1e-6),  # noqa: B023
+               2 * x.numel() * esize, check=lambda: (rms_norm(x, w, 1e-6), ref.rms_norm_ref(x, w, 1e-6)))  # noqa: B023
+        report(f"rms_norm+residual T={tokens} H={hidden}", lambda: rms_norm(x, w, 1e-6, res),  # noqa: B023
+               4 * x.numel() * esize)
+
+
+def bench_rotary(dtype: torch.dtype) -> None:
+    esize = torch.finfo(dtype).bits // 8
+    freqs = torch.outer(torch.arange(40960, device="cuda").float(), torch.rand(D // 2, device="cuda"))
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    for tokens in (256, 8192):
+        # q and k as views of a fused QKV output, as the model hands them over
+        qkv = torch.randn(tokens, HQ + 2 * HKV, D, device="cuda", dtype=dtype)
+        q, k = qkv[:, :HQ], qkv[:, HQ : HQ + HKV]
+        pos = torch.randint(0, 40960, (tokens,), device="cuda")
+        nbytes = 2 * (HQ + HKV) * D * tokens * esize + tokens * (D * 4 + 8)
+        report(f"rotary T={tokens}", lambda: apply_rotary(q, k, pos, cos_sin), nbytes)  # noqa: B023
+
+
+def bench_store(dtype: torch.dtype) -> None:
+    esize = torch.finfo(dtype).bits // 8
+    k_cache = torch.empty(4096, 16, HKV, D, device="cuda", dtype=dtype)
+    v_cache = torch.empty_like(k_cache)
+    for tokens in (256, 8192):
+        qkv = torch.randn(tokens, HQ + 2 * HKV, D, device="cuda", dtype=dtype)
+        key, value = qkv[:, HQ : HQ + HKV], qkv[:, HQ + HKV :]
+        slots = torch.randperm(k_cache.shape[0] * 16, device="cuda")[:tokens]
+        nbytes = 4 * tokens * HKV * D * esize + tokens * 8
+        report(f"store_kvcache T={tokens}", lambda: store_kvcache(key, value, k_cache, v_cache, slots),  # noqa: B023
+               nbytes)
+
+
+BENCHES = {"decode": bench_decode, "prefill": bench_prefill, "rms_norm": bench_rms_norm,
+           "rotary": bench_rotary, "store": bench_store}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  dtype={args.dtype}  floor at {BANDWIDTH / 1e12:.2f} TB/s")
+    for name in args.only.split(","):
+        BENCHES[name](DTYPES[args.dtype])
+
+
+if __name__ == "__main__":
+    main()

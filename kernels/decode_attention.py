@@ -1,0 +1,196 @@
+"""Paged decode attention, split-KV (flash-decoding).
+
+One query token per sequence. A program owns one (sequence, KV head, context split) and all the
+query heads of that KV head's GQA group, so each K/V tile is read once per group rather than once
+per query head. Splitting the context keeps the GPU busy when batch x KV heads alone is too few
+programs (small batches, long contexts); a second kernel merges the partial softmax states.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens per inner-loop tile. Independent of the cache's block size: each token's page is looked
+# up on its own, so a tile may straddle pages (small blocks) or cover part of one (large blocks).
+_BLOCK_N = 64
+# Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
+_MIN_SPLIT_TOKENS = 256
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2e, num_splits,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(context_lens_ptr + seq)
+    # Per-sequence split length, tile-aligned: short sequences leave trailing splits empty (cheap
+    # exits) instead of spreading a few keys over many programs.
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_off = seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        t_mask = t < end
+        # Entries past the sequence's last page may be garbage: the mask keeps them unread.
+        page = tl.load(table + t // PAGE_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = page * PAGE_SIZE + t % PAGE_SIZE
+        kv_off = row[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :]
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2e
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        # Single split: finish here and skip the reduce launch. ctx == 0 leaves l_sum == 0 and acc == 0,
+        # which must come out as zeros (CUDA-graph padding rows), not NaN.
+        o = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        o_off = seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Empty splits store m = -inf, l_sum = 0 too: the reduce reads every split unconditionally.
+        row_ml = (seq * NUM_Q_HEADS + heads).to(tl.int64) * num_splits + split
+        tl.store(part_m_ptr + row_ml, m, mask=g_mask)
+        tl.store(part_l_ptr + row_ml, l_sum, mask=g_mask)
+        tl.store(part_acc_ptr + row_ml[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_ob, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = sp < num_splits
+    d_mask = d < HEAD_DIM
+    row = (seq * NUM_Q_HEADS + head).to(tl.int64) * num_splits + sp
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    # All splits empty (ctx == 0): exp2(-inf - -inf) would be NaN, so anchor at 0 instead.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l_sum, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    o_off = seq.to(tl.int64) * stride_ob + head * stride_oh + d
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    # Decided from shapes only, never from context_lens: reading those back would sync the host
+    # and break CUDA-graph capture. Aim for about two waves of programs over the SMs.
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    want = triton.cdiv(2 * sms, max(batch * num_kv_heads, 1))
+    cap = max(1, min(_MAX_SPLITS, triton.cdiv(max_context, _MIN_SPLIT_TOKENS)))
+    return max(1, min(want, cap))
+
+
+def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    # Separate function so tests can hand in poisoned buffers and prove every split is written.
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits):
+    batch, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = _choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
+    direct = num_splits == 1
+    if direct:
+        part_acc = part_m = part_l = out  # unused placeholders: DIRECT compiles their stores away
+    else:
+        part_acc = _workspace((batch, num_q_heads, num_splits, head_dim), q.device)
+        part_m = _workspace((batch, num_q_heads, num_splits), q.device)
+        part_l = _workspace((batch, num_q_heads, num_splits), q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
+        scale * 1.4426950408889634, num_splits,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size, DIRECT=direct,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if not direct:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            out, part_acc, part_m, part_l, num_splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its first context_lens[b] cached keys.
+
+    q: [B, H_q, D] (strided views allowed, unit-stride last dim); caches: [num_blocks, block_size,
+    H_kv, D] contiguous, same dtype as q; block_tables: [B, max_blocks] int32; context_lens: [B]
+    int32. Rows with context_len 0 produce zeros. `out` ([B, H_q, D], q's dtype) may be given for
+    static CUDA-graph buffers; `num_splits` overrides the split-KV heuristic (tests, tuning).
+    """
+    assert q.dim() == 3 and q.stride(-1) == 1, "q must be [B, H_q, D] with unit-stride last dim"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+    assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
+    assert block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
+    assert context_lens.shape == (q.shape[0],)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    assert out.shape == q.shape and out.stride(-1) == 1 and out.dtype == q.dtype
+    if q.shape[0] == 0:
+        return out
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits)

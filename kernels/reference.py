@@ -1,0 +1,126 @@
+"""Plain-torch fp32 references for every kernel in this package.
+
+Written for clarity, not speed: loops over sequences, explicit gathers through the block tables.
+Tests compare the Triton ops against these; they also document the exact semantics.
+"""
+
+import torch
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached rows ([length, H_kv, D], fp32) of one sequence."""
+    page_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    pages = block_table[pos // page_size].long()
+    return cache[pages, pos % page_size].float()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):
+    """q [Lq, Hq, D] at absolute positions q_pos; k, v [Lk, Hkv, D] at positions 0..Lk-1."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    causal = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(context_lens.tolist()):
+        if n == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], n)
+        v = gather_kv(v_cache, block_tables[b], n)
+        pos = torch.tensor([n - 1], device=q.device)
+        out[b] = causal_attention(q[b : b + 1], k, v, pos, scale)[0]
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for b, n in enumerate(context_lens.tolist()):
+        q_len = cu[b + 1] - cu[b]
+        assert q_len <= max_seqlen_q and q_len <= n
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], n)
+        v = gather_kv(v_cache, block_tables[b], n)
+        pos = torch.arange(n - q_len, n, device=q.device)
+        out[cu[b] : cu[b + 1]] = causal_attention(q[cu[b] : cu[b + 1]], k, v, pos, scale)
+    return out
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF Llama/Qwen3 RMSNorm, operation for operation (so bf16 results match HF bit-for-bit).
+
+    The residual add happens in the input dtype, as in HF's decoder layer (`residual + hidden`),
+    and the weight multiplies *after* the cast back to the input dtype.
+    """
+    dtype = x.dtype
+    if residual is not None:
+        x = x + residual
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    out = (weight * hidden.to(dtype)).to(dtype)
+    return out if residual is None else (out, x)
+
+
+def apply_rotary_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (rotate halves) in fp32; returns new tensors in the input dtype.
+
+    cos_sin_cache[p] = cat(cos, sin), each of width rot_dim / 2; the first rot_dim dims of every
+    head are rotated and the rest pass through.
+    """
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = cos.shape[-1]
+        x1, x2, rest = x[..., :half].float(), x[..., half : 2 * half].float(), x[..., 2 * half :]
+        y = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((y, rest), dim=-1)
+
+    return rotate(q), rotate(k)
