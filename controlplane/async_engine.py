@@ -1,0 +1,347 @@
+"""The engine loop on its own thread, with one asyncio stream per request in front of it.
+
+The Engine is not thread-safe, so exactly one thread ("engine-loop") touches it. The event loop
+talks to that thread through an inbox of commands (add, abort, readiness changes) that the loop
+drains before every step, and gets results back as one `call_soon_threadsafe` per step that fills
+every affected request's asyncio queue: one wake-up of the event loop per step, not per request.
+With nothing to do the thread sleeps on a condition variable.
+
+A step that raises means the data plane is gone: every open stream ends with DataPlaneUnavailable,
+their requests are dropped (blocks freed), and new requests are refused until the plane is back.
+Two ways back, for two kinds of transport: a `recover(engine)` callable given at construction,
+which the engine thread calls every `recover_interval_s` while the plane is down (pull: e.g. wait
+briefly for a restarted launch and re-sync the engine with it), or `set_data_plane_ready(True)`
+from any thread (push). `set_data_plane_ready(False)` reports a failure noticed while idle (a
+missed heartbeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from controlplane.engine import Engine
+from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
+from controlplane.sampling_params import SamplingParams
+from controlplane.sequence import FinishReason
+from controlplane.sequence import Sequence as EngineSequence
+
+log = logging.getLogger(__name__)
+
+# When a step schedules nothing although requests are queued (they wait for blocks), sleep this
+# long before trying again instead of spinning; new commands still wake the loop at once.
+IDLE_RETRY_S = 0.005
+
+
+@dataclass(slots=True)
+class Output:
+    """What a request gained: new token ids since the last output, and its counters after them."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+
+    def merge(self, later: Output) -> None:
+        """Fold a later output into this one (a consumer that fell behind sends one message)."""
+        self.token_ids.extend(later.token_ids)
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.num_completion_tokens = later.num_completion_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by live requests; cached-but-free prefix blocks do not count
+    data_plane_ready: bool
+
+
+class _Stream:
+    """One request as both threads know it; hashed by identity, so a reused request id is a new key."""
+
+    __slots__ = ("request_id", "token_ids", "params", "queue")
+
+    def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.params = params
+        self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+
+
+def _output(stream: _Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
+    return Output(stream.request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
+                  seq.num_completion_tokens, seq.num_cached_prompt_tokens)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, recover: Callable[[Engine], bool] | None = None,
+                 recover_interval_s: float = 1.0):
+        """`recover(engine)` runs on the engine thread while the data plane is down; returning True
+        (the engine is re-synced with a working plane) makes it ready again. It should give up
+        within about a second (raise or return False) so that commands keep flowing."""
+        self.engine = engine
+        self._recover = recover
+        self._recover_interval_s = recover_interval_s
+        self._next_recover = 0.0
+        self._cond = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._stopping = False
+        self._ready = True
+        self._unready_reason = ""
+        self._listeners: list[Callable[[bool], None]] = []
+        self._streams: dict[str, _Stream] = {}  # event-loop thread only: ids in use
+        self._seq_of: dict[_Stream, EngineSequence] = {}  # engine thread only
+        self._stream_of: dict[int, _Stream] = {}  # engine thread only: seq_id -> stream
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._status = self._snapshot()
+
+    # ---- event-loop side -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def data_plane_ready(self) -> bool:
+        return self._ready
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Engine.validate; safe off the engine thread because it reads only fixed sizes."""
+        self.engine.validate(token_ids, params)
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Output]:
+        """Run one request; yields its outputs until the one with finished=True.
+
+        Closing the iterator early (break, cancellation, an error) aborts the request and frees its
+        blocks; use `contextlib.aclosing` so that this happens at once rather than at garbage
+        collection. Raises ValueError, RequestIdInUse or DataPlaneUnavailable.
+        """
+        if self._thread is None:
+            raise RuntimeError("AsyncEngine.start() was not called")
+        if not self._ready:
+            raise DataPlaneUnavailable(self._unavailable_message())
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
+        token_ids = list(token_ids)
+        self.engine.validate(token_ids, params)
+        stream = _Stream(request_id, token_ids, params)
+        self._streams[request_id] = stream
+        self._post(("add", stream))
+        finished = False
+        pending: Output | BaseException | None = None
+        try:
+            while not finished:
+                item = pending if pending is not None else await stream.queue.get()
+                pending = None
+                if isinstance(item, BaseException):
+                    raise item
+                while not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending = later  # send what arrived before the error first
+                        break
+                    item.merge(later)
+                finished = item.finished
+                yield item
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished:
+                self._post(("abort", stream, False))
+
+    def abort(self, request_id: str) -> bool:
+        """End a running request from the server side; its stream gets a final ABORT output."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        self._post(("abort", stream, True))
+        return True
+
+    def status(self) -> EngineStatus:
+        """Counters as of the engine thread's latest iteration."""
+        return self._status
+
+    # ---- any thread ------------------------------------------------------------------------------
+
+    def set_data_plane_ready(self, ready: bool, reason: str = "",
+                             on_engine_thread: Callable[[Engine], None] | None = None) -> None:
+        """Mark the data plane up or down; thread-safe (the transport calls it from its own threads).
+
+        Going down fails every open stream with `reason`. `on_engine_thread(engine)` runs on the
+        engine thread before the change, between steps: the place to re-sync the engine with a
+        restarted data plane. If it raises, the plane stays down.
+        """
+        self._post(("ready", ready, reason, on_engine_thread))
+
+    def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
+        """callback(ready) runs on the engine thread whenever readiness changes."""
+        self._listeners.append(callback)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (open streams end with DataPlaneUnavailable) and close the engine."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.engine.close()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+
+    def _post(self, command: tuple) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def _unavailable_message(self) -> str:
+        return f"the data plane is not available ({self._unready_reason or 'not started'}); retry later"
+
+    def _recover_wait_s(self) -> float | None:
+        """Seconds until the next recovery attempt is due; None when none is to be made."""
+        if self._ready or self._recover is None:
+            return None
+        return max(0.0, self._next_recover - time.monotonic())
+
+    def _run(self) -> None:
+        idle_retry = False
+        while True:
+            with self._cond:
+                while not (self._inbox or self._stopping or (self._ready and self.engine.has_work())
+                           or self._recover_wait_s() == 0.0):
+                    self._cond.wait(self._recover_wait_s())
+                if idle_retry and not self._inbox and not self._stopping:
+                    self._cond.wait(IDLE_RETRY_S)
+                commands, self._inbox = self._inbox, []
+                stopping = self._stopping
+            deliveries: list[tuple[_Stream, Output | BaseException]] = []
+            for command in commands:
+                self._apply(command, deliveries)
+            if stopping:
+                self._drop_all("the server is shutting down", deliveries)
+            if not stopping and self._recover_wait_s() == 0.0:
+                self._try_recover()
+            idle_retry = False
+            if not stopping and self._ready and self.engine.has_work():
+                idle_retry = not self._step(deliveries)
+            self._status = self._snapshot()
+            if deliveries:
+                # RuntimeError: the event loop is closed, so nobody is listening any more.
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._dispatch, deliveries)
+            if stopping:
+                return
+
+    def _step(self, deliveries: list) -> bool:
+        """One engine step; returns whether it scheduled anything."""
+        try:
+            out = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; marking the data plane unavailable")
+            self._set_unready(f"data plane failed: {type(exc).__name__}: {exc}", deliveries)
+            return True
+        for seq in out.produced:
+            stream = self._stream_of.get(seq.seq_id)
+            if stream is None:
+                continue
+            deliveries.append((stream, _output(stream, seq, [seq.token_ids[-1]])))
+            if seq.is_finished:
+                del self._stream_of[seq.seq_id], self._seq_of[stream]
+        return bool(out.rows)
+
+    def _try_recover(self) -> None:
+        self._next_recover = time.monotonic() + self._recover_interval_s
+        try:
+            ok = self._recover(self.engine)
+        except Exception as exc:
+            log.info("data plane still unavailable: %s", exc)
+            return
+        if ok:
+            log.info("data plane is back")
+            self._ready, self._unready_reason = True, ""
+            self._notify(True)
+
+    def _apply(self, command: tuple, deliveries: list) -> None:
+        kind = command[0]
+        if kind == "add":
+            stream = command[1]
+            if not self._ready:
+                deliveries.append((stream, DataPlaneUnavailable(self._unavailable_message())))
+                return
+            try:
+                seq = self.engine.add_request(stream.token_ids, stream.params)
+            except ValueError as exc:
+                deliveries.append((stream, exc))
+                return
+            self._seq_of[stream] = seq
+            self._stream_of[seq.seq_id] = stream
+        elif kind == "abort":
+            _, stream, notify = command
+            seq = self._seq_of.pop(stream, None)
+            if seq is None:
+                return
+            del self._stream_of[seq.seq_id]
+            self.engine.abort(seq.seq_id)
+            if notify:
+                deliveries.append((stream, _output(stream, seq, [])))
+        elif kind == "ready":
+            _, ready, reason, hook = command
+            if hook is not None:
+                try:
+                    hook(self.engine)
+                except Exception as exc:
+                    log.exception("data plane re-sync hook failed")
+                    ready, reason = False, f"re-syncing with the data plane failed: {exc}"
+            if not ready:
+                self._set_unready(reason or "the data plane went away", deliveries)
+            elif not self._ready:
+                self._ready, self._unready_reason = True, ""
+                self._notify(True)
+
+    def _drop_all(self, reason: str, deliveries: list) -> None:
+        for stream, seq in self._seq_of.items():
+            self.engine.abort(seq.seq_id)
+            deliveries.append((stream, DataPlaneUnavailable(reason)))
+        self._seq_of.clear()
+        self._stream_of.clear()
+
+    def _set_unready(self, reason: str, deliveries: list) -> None:
+        was_ready = self._ready
+        self._ready, self._unready_reason = False, reason
+        self._next_recover = time.monotonic() + self._recover_interval_s
+        self._drop_all(self._unavailable_message(), deliveries)
+        if was_ready:
+            self._notify(False)
+
+    def _notify(self, ready: bool) -> None:
+        for callback in self._listeners:
+            try:
+                callback(ready)
+            except Exception:
+                log.exception("data plane readiness listener failed")
+
+    def _snapshot(self) -> EngineStatus:
+        scheduler = self.engine.scheduler
+        return EngineStatus(len(scheduler.running), len(scheduler.waiting), self.engine.num_kv_blocks,
+                            scheduler.block_manager.num_used_blocks, self._ready)
+
+    @staticmethod
+    def _dispatch(deliveries: list[tuple[_Stream, Output | BaseException]]) -> None:
+        for stream, item in deliveries:
+            stream.queue.put_nowait(item)

@@ -1,0 +1,133 @@
+"""Exceptions to gRPC status codes, in one place.
+
+Servicer code raises plain exceptions (ValueError for a bad request, NotImplementedError for a
+parameter the engine does not honour, the two classes below); the interceptor turns them into a
+status with the exception's message as details. Anything else is a bug: it is logged with its
+traceback and the client gets INTERNAL.
+
+A request body that does not parse would otherwise fail inside grpc before any handler runs, as
+UNKNOWN with an error logged per call; the interceptor parses leniently instead and answers
+INVALID_ARGUMENT, which is what the caller did wrong.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class RequestIdInUse(Exception):
+    """A request with this id is still running."""
+
+
+class DataPlaneUnavailable(Exception):
+    """The data plane is down or failed a step; requests cannot run until it is back."""
+
+
+# Order matters: the first matching class wins.
+STATUS_BY_EXCEPTION: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (RequestIdInUse, grpc.StatusCode.ALREADY_EXISTS),
+    (DataPlaneUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+class _Unparsable:
+    """Stands in for a request whose bytes did not parse; the wrapped handler refuses it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+def _lenient(deserializer: Callable | None) -> Callable | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, or anything a custom deserializer raises
+            return _Unparsable(str(exc))
+
+    return parse
+
+
+async def _refuse_unparsable(context: grpc.aio.ServicerContext, request: _Unparsable) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request body does not parse: {request.error}")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for cls, code in STATUS_BY_EXCEPTION:
+        if isinstance(exc, cls):
+            return code, str(exc) or cls.__name__
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
+    code, details = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method, exc_info=exc)
+    await context.abort(code, details)
+
+
+def _wrap_unary(method: str, behaviour: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+    async def unary(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Unparsable):
+            await _refuse_unparsable(context, request)
+        try:
+            return await behaviour(request, context)
+        except grpc.aio.AbortError:
+            raise  # the handler chose its status itself
+        except Exception as exc:
+            await _abort(context, method, exc)
+
+    return unary
+
+
+def _wrap_stream(method: str, behaviour: Callable) -> Callable:
+    if inspect.isasyncgenfunction(behaviour):
+        async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            if isinstance(request, _Unparsable):
+                await _refuse_unparsable(context, request)
+            try:
+                async for response in behaviour(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await _abort(context, method, exc)
+
+        return stream
+    return _wrap_unary(method, behaviour)  # a coroutine that writes with context.write()
+
+
+class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions raised by handlers under `prefix` to status codes (see STATUS_BY_EXCEPTION).
+
+    CancelledError and GeneratorExit are BaseExceptions and pass through untouched: a client that
+    went away must reach the handler's cleanup, not be answered.
+    """
+
+    def __init__(self, prefix: str = "/"):
+        self.prefix = prefix
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(self.prefix):
+            return handler
+        common = dict(request_deserializer=_lenient(handler.request_deserializer),
+                      response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary), **common)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream), **common)
+        return handler  # client-streaming kinds: none in this API

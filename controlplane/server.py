@@ -1,0 +1,230 @@
+"""The public gRPC server: nanoplane.v1.Generation, grpc.health.v1 and server reflection.
+
+Handlers raise plain exceptions (ValueError, NotImplementedError, ...); `errors.py`'s interceptor
+turns them into status codes. The engine runs on its own thread (`AsyncEngine`); this module only
+converts between protobuf and engine types and turns token ids into text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from pathlib import Path
+
+import grpc
+import jinja2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from controlplane.async_engine import AsyncEngine
+from controlplane.config import EngineConfig
+from controlplane.detokenizer import TextStream
+from controlplane.engine import DataPlaneClient, Engine
+from controlplane.errors import ExceptionToStatusInterceptor
+from controlplane.sampling_params import SamplingParams
+from controlplane.sequence import FinishReason
+from controlplane.tokenizer import Tokenizer
+from proto.nanoplane.v1 import generation_pb2 as pb
+from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+                  FinishReason.ABORT: pb.FINISH_REASON_ABORT}
+
+
+def _f32(x: float) -> float:
+    # proto floats are float32: 0.7 arrives as 0.699999988. Seven significant digits give back
+    # the number the client wrote, for sampling and for error messages alike.
+    return float(f"{x:.7g}") if math.isfinite(x) else x
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, list[str]]:
+    """Engine sampling parameters and stop strings; raises NotImplementedError / ValueError."""
+    if sp.min_tokens:
+        raise NotImplementedError(f"min_tokens is not implemented yet (got {sp.min_tokens}); leave it 0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(sp, name) != 0:
+            raise NotImplementedError(f"{name} is not implemented yet (got {_f32(getattr(sp, name))}); "
+                                      "leave it 0 (neutral)")
+    if sp.HasField("repetition_penalty"):
+        if not sp.repetition_penalty > 0:
+            raise ValueError(f"invalid sampling parameter repetition_penalty={_f32(sp.repetition_penalty)}: "
+                             "must be > 0 (1 is neutral)")
+        if sp.repetition_penalty != 1:
+            raise NotImplementedError(f"repetition_penalty is not implemented yet (got "
+                                      f"{_f32(sp.repetition_penalty)}); leave it unset or 1 (neutral)")
+    if sp.HasField("logprobs"):
+        raise NotImplementedError("logprobs is not implemented yet; leave it unset")
+    if any(not s for s in sp.stop):
+        raise ValueError("invalid sampling parameter stop: stop strings must not be empty")
+    kwargs: dict = dict(top_k=sp.top_k, min_p=_f32(sp.min_p), ignore_eos=sp.ignore_eos,
+                        stop_token_ids=list(sp.stop_token_ids))
+    for name in ("temperature", "top_p"):
+        if sp.HasField(name):
+            kwargs[name] = _f32(getattr(sp, name))
+    for name in ("max_tokens", "seed"):
+        if sp.HasField(name):
+            kwargs[name] = getattr(sp, name)
+    return SamplingParams(**kwargs), list(sp.stop)
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    def _chat(self, chat: pb.ChatMessages) -> tuple[str, list[int]]:
+        if not chat.messages:
+            raise ValueError("messages is empty: give at least one message")
+        for i, m in enumerate(chat.messages):
+            if not m.role:
+                raise ValueError(f"message {i} has no role (e.g. 'user')")
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content}
+                                                       for m in chat.messages])
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
+        # The template writes the special tokens (BOS, turn markers) itself: adding them again at
+        # tokenization would double a BOS.
+        return text, self.tokenizer.hf.encode(text, add_special_tokens=False)
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise ValueError("the request has no prompt: set one of text, token_ids or messages")
+        if kind == "text":
+            if not request.text:
+                raise ValueError("the prompt text is empty")
+            return self.tokenizer.encode(request.text)
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        return self._chat(request.messages)[1]
+
+    def _usage(self, out) -> pb.Usage:
+        return pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_completion_tokens,
+                        cached_prompt_tokens=out.num_cached_tokens)
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        token_ids = self._prompt_ids(request)
+        params, stops = sampling_from_proto(request.sampling)
+        request_id = request.request_id or uuid.uuid4().hex
+        text = TextStream(self.tokenizer, token_ids, stops)
+        first = True
+        # aclosing: leaving this block for any reason (client gone, stop string, error) closes the
+        # engine stream at once, which aborts the request and frees its blocks within a step.
+        async with aclosing(self.engine.generate(token_ids, params, request_id)) as outputs:
+            async for out in outputs:
+                response = pb.GenerateResponse(request_id=request_id, token_ids=out.token_ids,
+                                               text=text.push(out.token_ids, finished=out.finished))
+                if text.stopped:
+                    response.finish_reason = pb.FINISH_REASON_STOP
+                elif out.finished:
+                    response.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_STOP)
+                if first or response.finish_reason:
+                    response.usage.CopyFrom(self._usage(out))
+                first = False
+                yield response
+                if text.stopped:
+                    return
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        if kind == "messages":
+            text, ids = self._chat(request.messages)
+        else:
+            text, ids = request.text, self.tokenizer.encode(request.text) if request.text else []
+        return pb.TokenizeResponse(token_ids=ids, text=text)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
+        engine = self.engine.engine
+        info = engine.infos[0]
+        return pb.ModelInfo(model=self.model_name, architecture=info.architecture,
+                            max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+                            tensor_parallel_size=info.world_size, kv_block_size=engine.block_size,
+                            eos_token_ids=self.tokenizer.eos_token_ids,
+                            has_chat_template=self.tokenizer.has_chat_template)
+
+    async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
+        s = self.engine.status()
+        return pb.ServerStatus(running_requests=s.running, waiting_requests=s.waiting,
+                               kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
+                               data_plane_ready=self.engine.data_plane_ready)
+
+
+class GenerationServer:
+    """grpc.aio server around an AsyncEngine. `await start()`, then `await stop()`."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0",
+                 options: list[tuple[str, object]] | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.address = address
+        self.options = options or []
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._health_tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+    async def start(self) -> int:
+        """Bind, start serving and start the engine thread; returns the bound port."""
+        server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor(f"/{SERVICE}/")], options=self.options)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, self.tokenizer, self.model_name),
+                                                 server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        service_names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                         reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(service_names, server)
+        self.port = server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise OSError(f"could not bind {self.address}")
+        loop = asyncio.get_running_loop()
+        # Health follows the data plane: load balancers stop sending requests while it is down.
+        self.engine.add_ready_listener(lambda ready: loop.call_soon_threadsafe(self._health_changed, ready))
+        self.engine.start()
+        await self._set_health(self.engine.data_plane_ready)
+        await server.start()
+        self.server = server
+        log.info("serving %s on port %d", self.model_name, self.port)
+        return self.port
+
+    def _health_changed(self, ready: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._set_health(ready))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Refuse new calls, give running ones `grace` seconds, then stop the engine."""
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace)
+        self.engine.shutdown()
+
+    async def wait_for_termination(self) -> None:
+        if self.server is not None:
+            await self.server.wait_for_termination()
+
+
+def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str = "127.0.0.1:0",
+                 model_name: str | None = None, recover: Callable[[Engine], bool] | None = None,
+                 recover_interval_s: float = 1.0) -> GenerationServer:
+    """Tokenizer + Engine (starts the data plane: slow) + AsyncEngine + server, not yet started.
+
+    `recover`: see AsyncEngine; how the engine re-attaches to a data plane after a failure.
+    """
+    tokenizer = Tokenizer(config.model)
+    engine = Engine(config, data_plane, tokenizer.eos_token_ids)
+    return GenerationServer(AsyncEngine(engine, recover, recover_interval_s), tokenizer,
+                            model_name or Path(config.model).name, address)
