@@ -30,7 +30,7 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         assert block.ref_count == refs.get(block.block_id, 0)
         assert (block.ref_count > 0) == (block.block_id in bm.used_block_ids)
     for h, b in bm.hash_to_block_id.items():
-        assert 0 <= b < total
+        assert bm.blocks[b].hash == h
 
 
 # A workload: each op admits a prompt built from a few shared prefixes, grows, or frees a request.
