@@ -1,0 +1,258 @@
+"""The ZeroMQ data plane: the engine over real rank processes gives the embedded engine's tokens, and
+failures (a killed rank, a silent rank, a vanished control plane) become errors in bounded time.
+
+The first tests drive RemoteDataPlane with fake ranks made of raw sockets (no torch, fast); the rest
+start `python -m dataplane.launcher` processes with a tiny model on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import zmq
+from conftest import ROOT
+
+from controlplane.config import EngineConfig
+from controlplane.engine import Engine
+from controlplane.remote import EXIT_RESTART, DataPlaneUnavailable, RemoteDataPlane
+from controlplane.sampling_params import SamplingParams
+from proto import codec
+from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LENGTHS = [1, 17, 40, 130, 5, 70]  # 130 and 70 do not fit a 64-token step: chunked prefill
+SIZES = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=64)
+DETECT_BOUND_S = 10.0
+
+
+class FakeRank:
+    """A rank made of two raw DEALER sockets, so the test decides exactly what goes on the wire."""
+
+    def __init__(self, address: str, launch_id: int, rank: int = 0, world_size: int = 1):
+        self.launch_id, self.rank, self.world_size = launch_id, rank, world_size
+        self.beat, self.data = zmq.Socket(zmq.Context.instance(), zmq.DEALER), None
+        self.beat.connect(address)
+        self.beat.send_multipart(codec.encode_control(codec.Hello(launch_id, rank, world_size, os.getpid())))
+        welcome = codec.decode(self.beat.recv_multipart())
+        assert isinstance(welcome, codec.Welcome) and welcome.launch_id == launch_id
+        self.epoch, self.beating = welcome.epoch, True
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+        self.data = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
+        self.data.connect(address)
+        info = PlaneInfo(rank, world_size, self.epoch, 64, 16, 8, 256, 100, "Fake", "cpu", "float32")
+        self.data.send_multipart(codec.encode_control(codec.Ready(launch_id, info)))
+
+    def _beat(self) -> None:
+        self.last_reply = None
+        while self.beating:
+            self.beat.send_multipart(codec.encode_control(codec.Heartbeat(self.launch_id, self.epoch, self.rank)))
+            if self.beat.poll(100):
+                self.last_reply = codec.decode(self.beat.recv_multipart())
+
+    def answer(self, step_id: int, tokens: list[int], epoch: int | None = None) -> None:
+        result = StepResult(step_id, int32_column(tokens))
+        self.data.send_multipart(codec.encode_result(result, self.epoch if epoch is None else epoch, self.rank))
+
+    def close(self) -> None:
+        self.beating = False
+        self.thread.join()
+        self.beat.close(0)
+        self.data.close(0)
+
+
+def decode_step(step_id: int, epoch: int) -> StepDescriptor:
+    return StepDescriptor(step_id, epoch, slots=int32_column([2]), num_computed=int32_column([9]),
+                          num_scheduled=int32_column([1]), appended_offsets=int32_column([0, 0]))
+
+
+def test_protocol_with_fake_ranks():
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=5)
+    pool = ThreadPoolExecutor(1)
+    try:
+        fake = FakeRank(client.address, launch_id=11)
+        infos = client.start(timeout=5)
+        assert [i.epoch for i in infos] == [fake.epoch] and client.ready
+        running = pool.submit(client.execute, decode_step(0, fake.epoch))
+        got = codec.decode(fake.data.recv_multipart())
+        assert got.step_id == 0 and got.slots.tolist() == [2]
+        fake.answer(0, [5], epoch=fake.epoch - 1)  # a stale epoch's result is ignored
+        fake.answer(7, [6])  # so is another step's
+        fake.answer(0, [7])
+        assert running.result(5).sampled_token_ids.tolist() == [7]
+
+        junk = zmq.Socket(zmq.Context.instance(), zmq.DEALER)  # a foreign peer cannot disturb it
+        junk.connect(client.address)
+        junk.send_multipart([b"GET / HTTP/1.1"])
+        junk.send_multipart([b"NP\x07\x02", b"from the future"])
+        running = pool.submit(client.execute, decode_step(1, fake.epoch))
+        assert codec.decode(fake.data.recv_multipart()).step_id == 1
+        fake.answer(1, [8])
+        assert running.result(5).sampled_token_ids.tolist() == [8]
+        junk.close(0)
+
+        fake.beating = False  # the rank hangs: no heartbeat, no result
+        start = time.monotonic()
+        with pytest.raises(DataPlaneUnavailable, match="no heartbeat"):
+            client.execute(decode_step(2, fake.epoch))
+        assert time.monotonic() - start < 1.0 + 0.5 and not client.ready
+        with pytest.raises(DataPlaneUnavailable):
+            client.execute(decode_step(3, fake.epoch))
+        fake.close()
+
+        fresh = FakeRank(client.address, launch_id=12)  # a restarted data plane re-attaches
+        assert fresh.epoch > fake.epoch
+        assert [i.epoch for i in client.start(timeout=5)] == [fresh.epoch]
+        running = pool.submit(client.execute, decode_step(0, fresh.epoch))
+        codec.decode(fresh.data.recv_multipart())
+        fresh.answer(0, [9])
+        assert running.result(5).sampled_token_ids.tolist() == [9]
+
+        late = zmq.Socket(zmq.Context.instance(), zmq.DEALER)  # the retired launch is told to go
+        late.connect(client.address)
+        late.send_multipart(codec.encode_control(codec.Heartbeat(11, fake.epoch, 0)))
+        assert late.poll(2000)
+        assert codec.decode(late.recv_multipart()).exit_code == EXIT_RESTART
+        late.close(0)
+        client.close()
+        assert fresh.data.poll(2000) and codec.decode(fresh.data.recv_multipart()) == codec.Shutdown(
+            0, "the control plane stopped")
+        fresh.close()
+    finally:
+        pool.shutdown(cancel_futures=True)
+        client.close()
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 380) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models) -> Path:
+    return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict[int, list[int]]:
+    """Greedy tokens of the embedded engine (in-process data plane) on the seeds' prompts."""
+    from controlplane.llm import LLM
+
+    llm = LLM(str(model), device="cpu", kvcache_block_size=16, **SIZES)
+    try:
+        out = {}
+        for seed in (0, 1):
+            prompts = random_prompts(LENGTHS, seed)
+            for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False), strict=True):
+                out[(seed, len(p))] = o["token_ids"]
+        return out
+    finally:
+        llm.close()
+
+
+def launch(model: Path, address: str, tp: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dataplane.launcher", "--model", str(model), "--control", address,
+           "--tensor-parallel-size", str(tp), "--device", "cpu", "--num-kvcache-blocks", "256",
+           "--heartbeat-interval", "0.2", "--control-timeout", "3"]
+    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items()]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+
+
+def engine_over(client: RemoteDataPlane, model: Path) -> Engine:
+    return Engine(EngineConfig(str(model), device="cpu", kvcache_block_size=16, **SIZES), client, ())
+
+
+def generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    return [s.completion_token_ids for s in seqs]
+
+
+def check_tokens(engine: Engine, reference: dict, seed: int) -> None:
+    prompts = random_prompts(LENGTHS, seed)
+    chunked = engine.scheduler.num_chunked_prefills
+    for p, out in zip(prompts, generate(engine, prompts), strict=True):
+        assert out == reference[(seed, len(p))], f"prompt of {len(p)} tokens"
+    assert engine.scheduler.num_chunked_prefills > chunked
+
+
+@pytest.fixture
+def launchers():
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, tmp_path, launchers):
+    client = RemoteDataPlane(f"ipc://{tmp_path}/control", world_size=1)
+    try:
+        launchers.append(launch(model, client.address, tp=1))
+        engine = engine_over(client, model)
+        check_tokens(engine, reference, seed=0)
+
+        result = client.execute(StepDescriptor(engine.step_id + 5, client.epoch))  # a lost step
+        assert "refused: expected step" in result.error and len(result.sampled_token_ids) == 0
+        result = client.execute(StepDescriptor(engine.step_id, client.epoch + 3))  # another epoch's step
+        assert "refused: descriptor of epoch" in result.error
+        with client._lock:  # garbage straight to the rank's data socket (private: a test of the rank)
+            client._sock.send_multipart([client._attached.ranks[0].data_ident, b"NP\x01\x01", b"junk"])
+        prompts = random_prompts(LENGTHS[:3], seed=1)  # the rank computed none of it: state intact
+        assert generate(engine, prompts) == [reference[(1, len(p))] for p in prompts]
+    finally:
+        client.close()
+    assert launchers[0].wait(10) == 0  # stopped on purpose: the supervisor should not restart it
+
+
+def test_tp2_kill_a_rank_then_reattach(model, reference, launchers):
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=2, heartbeat_timeout=1.5)
+    try:
+        launchers.append(launch(model, client.address, tp=2))
+        engine = engine_over(client, model)
+        check_tokens(engine, reference, seed=0)
+
+        for p in random_prompts([30] * 4, seed=5):
+            engine.add_request(p, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+        failure: list = []
+
+        def run() -> None:  # steps back to back, so the kill most likely lands inside one
+            try:
+                while engine.has_work():
+                    engine.step()
+            except DataPlaneUnavailable as e:
+                failure.append((time.monotonic(), e))
+
+        stepping = threading.Thread(target=run)
+        stepping.start()
+        time.sleep(0.3)
+        os.kill(client.rank_pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        stepping.join(DETECT_BOUND_S)
+        assert failure, "the engine did not notice the killed rank"
+        detected = failure[0][0] - killed
+        print(f"killed rank detected after {detected:.2f}s: {failure[0][1]}")
+        assert detected < DETECT_BOUND_S and not client.ready
+        assert launchers[0].wait(DETECT_BOUND_S) != 0  # so that a supervisor restarts it
+
+        launchers.append(launch(model, client.address, tp=2))  # the supervisor's restart
+        engine = engine_over(client, model)  # the engine re-attaches with nothing in flight
+        check_tokens(engine, reference, seed=1)
+    finally:
+        client.close(stop_data_plane=False)  # as if the control plane crashed
+    start = time.monotonic()
+    assert launchers[1].wait(15) == EXIT_RESTART
+    print(f"ranks left {time.monotonic() - start:.2f}s after the control plane vanished")
+    assert time.monotonic() - start < 3 + 5  # control_timeout 3 s, and slack
