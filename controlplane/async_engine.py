@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controlplane.engine import Engine
 from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
@@ -68,16 +68,14 @@ class EngineStatus:
     data_plane_ready: bool
 
 
+@dataclass(eq=False, slots=True)
 class _Stream:
-    """One request as both threads know it; hashed by identity, so a reused request id is a new key."""
+    """One request as both threads know it; eq=False hashes by identity, so a reused id is a new key."""
 
-    __slots__ = ("request_id", "token_ids", "params", "queue")
-
-    def __init__(self, request_id: str, token_ids: list[int], params: SamplingParams):
-        self.request_id = request_id
-        self.token_ids = token_ids
-        self.params = params
-        self.queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Output items, or an exception to raise
 
 
 def _output(stream: _Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
@@ -120,10 +118,6 @@ class AsyncEngine:
     def data_plane_ready(self) -> bool:
         return self._ready
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Engine.validate; safe off the engine thread because it reads only fixed sizes."""
-        self.engine.validate(token_ids, params)
-
     async def generate(self, token_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[Output]:
         """Run one request; yields its outputs until the one with finished=True.
@@ -140,7 +134,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
         token_ids = list(token_ids)
-        self.engine.validate(token_ids, params)
+        self.engine.validate(token_ids, params)  # safe off the engine thread: it reads fixed sizes only
         stream = _Stream(request_id, token_ids, params)
         self._streams[request_id] = stream
         self._post(("add", stream))
@@ -273,9 +267,7 @@ class AsyncEngine:
             log.info("data plane still unavailable: %s", exc)
             return
         if ok:
-            log.info("data plane is back")
-            self._ready, self._unready_reason = True, ""
-            self._notify(True)
+            self._set_ready()
 
     def _apply(self, command: tuple, deliveries: list) -> None:
         kind = command[0]
@@ -311,8 +303,7 @@ class AsyncEngine:
             if not ready:
                 self._set_unready(reason or "the data plane went away", deliveries)
             elif not self._ready:
-                self._ready, self._unready_reason = True, ""
-                self._notify(True)
+                self._set_ready()
 
     def _drop_all(self, reason: str, deliveries: list) -> None:
         for stream, seq in self._seq_of.items():
@@ -328,6 +319,11 @@ class AsyncEngine:
         self._drop_all(self._unavailable_message(), deliveries)
         if was_ready:
             self._notify(False)
+
+    def _set_ready(self) -> None:
+        log.info("the data plane is ready again")
+        self._ready, self._unready_reason = True, ""
+        self._notify(True)
 
     def _notify(self, ready: bool) -> None:
         for callback in self._listeners:

@@ -20,7 +20,7 @@ import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane.async_engine import AsyncEngine
+from controlplane.async_engine import AsyncEngine, Output
 from controlplane.config import EngineConfig
 from controlplane.detokenizer import TextStream
 from controlplane.engine import DataPlaneClient, Engine
@@ -107,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return list(request.token_ids.ids)
         return self._chat(request.messages)[1]
 
-    def _usage(self, out) -> pb.Usage:
+    def _usage(self, out: Output) -> pb.Usage:
         return pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_completion_tokens,
                         cached_prompt_tokens=out.num_cached_tokens)
 
