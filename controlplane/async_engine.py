@@ -9,10 +9,10 @@ With nothing to do the thread sleeps on a condition variable.
 A step that raises means the data plane is gone: every open stream ends with DataPlaneUnavailable,
 their requests are dropped (blocks freed), and new requests are refused until the plane is back.
 Two ways back, for two kinds of transport: a `recover(engine)` callable given at construction,
-which the engine thread calls every `recover_interval_s` while the plane is down (pull: e.g. wait
-briefly for a restarted launch and re-sync the engine with it), or `set_data_plane_ready(True)`
-from any thread (push). `set_data_plane_ready(False)` reports a failure noticed while idle (a
-missed heartbeat).
+which the engine thread calls every `recover_interval_s` while the plane is down (pull: wait for a
+restarted data plane and return an engine attached to it), or `set_data_plane_ready(True)` from any
+thread (push). `set_data_plane_ready(False)` reports a failure noticed while idle (a missed
+heartbeat).
 """
 
 from __future__ import annotations
@@ -84,11 +84,14 @@ def _output(stream: _Stream, seq: EngineSequence, token_ids: list[int]) -> Outpu
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, recover: Callable[[Engine], bool] | None = None,
+    def __init__(self, engine: Engine, recover: Callable[[Engine], Engine | None] | None = None,
                  recover_interval_s: float = 1.0):
-        """`recover(engine)` runs on the engine thread while the data plane is down; returning True
-        (the engine is re-synced with a working plane) makes it ready again. It should give up
-        within about a second (raise or return False) so that commands keep flowing."""
+        """`recover(engine)` runs on the engine thread while the data plane is down. It returns the
+        engine to go on with, attached to a working plane: the same one re-synced, or a new Engine
+        over the restarted plane (today's way: a new Engine starts at step 0 of the new epoch with
+        an empty prefix cache). None or an exception: still down, try again later. It may block:
+        meanwhile new requests are refused on the event loop without waiting for it. The old engine
+        is dropped, not closed, because it shares its data-plane client with the new one."""
         self.engine = engine
         self._recover = recover
         self._recover_interval_s = recover_interval_s
@@ -262,11 +265,12 @@ class AsyncEngine:
     def _try_recover(self) -> None:
         self._next_recover = time.monotonic() + self._recover_interval_s
         try:
-            ok = self._recover(self.engine)
+            engine = self._recover(self.engine)
         except Exception as exc:
             log.info("data plane still unavailable: %s", exc)
             return
-        if ok:
+        if engine is not None:
+            self.engine = engine
             self._set_ready()
 
     def _apply(self, command: tuple, deliveries: list) -> None:

@@ -218,7 +218,7 @@ class GenerationServer:
 
 
 def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str = "127.0.0.1:0",
-                 model_name: str | None = None, recover: Callable[[Engine], bool] | None = None,
+                 model_name: str | None = None, recover: Callable[[Engine], Engine | None] | None = None,
                  recover_interval_s: float = 1.0) -> GenerationServer:
     """Tokenizer + Engine (starts the data plane: slow) + AsyncEngine + server, not yet started.
 

@@ -15,6 +15,7 @@ from tiny_models import make_tiny_model
 
 from clients import AsyncClient, Client
 from controlplane.config import EngineConfig
+from controlplane.engine import Engine
 from controlplane.llm import LLM
 from controlplane.sampling_params import SamplingParams
 from controlplane.server import SERVICE, build_server
@@ -54,9 +55,8 @@ class ServerThread:
         plane = LocalDataPlane(DataPlaneConfig(model=model, device="cpu", max_num_seqs=SEQS, max_model_len=MAX_LEN,
                                                block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
         self.plane = FlakyDataPlane(plane) if flaky else plane
-        # The flaky plane comes back as soon as it stops failing; a transport would re-attach here.
-        recover = (lambda engine: not self.plane.fail) if flaky else None
-        self.server = build_server(cfg, self.plane, recover=recover, recover_interval_s=0.05)
+        self.restarts = 0
+        self.server = build_server(cfg, self.plane, recover=self.restart if flaky else None, recover_interval_s=0.05)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 
@@ -69,6 +69,14 @@ class ServerThread:
         threading.Thread(target=run, daemon=True).start()
         assert started.wait(60)
         self.address = f"127.0.0.1:{self.server.port}"
+
+    def restart(self, old: Engine) -> Engine | None:
+        """The recover hook: once the plane works again, a new engine over a restarted rank 0 (fresh
+        model runner, step 0), as a transport re-attaching to a restarted launch would give."""
+        if self.plane.fail:
+            return None
+        self.restarts += 1
+        return Engine(old.config, old.data_plane, tuple(old.scheduler.eos_token_ids))
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(1), self.loop).result(30)
@@ -292,6 +300,7 @@ def test_data_plane_failure_and_recovery(model):
             assert c.health() == "NOT_SERVING" and c.health(SERVICE) == "NOT_SERVING"
             s.plane.fail = False  # the recover hook now succeeds
             wait_health(c, "SERVING")
+            assert s.restarts == 1 and s.server.engine.engine.step_id == 0
             assert len([t for ch in c.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
     finally:
         s.stop()
