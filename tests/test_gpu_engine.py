@@ -4,6 +4,7 @@ on Qwen3-0.6B-shaped random weights (greedy agreement rate printed). Run on the 
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -40,22 +41,29 @@ QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, nu
 
 @pytest.fixture(scope="module")
 def qwen3_06b(tmp_path_factory):
+    """Random Qwen3-0.6B-shaped weights, saved in bf16; the fp32 original is the reference."""
     from tiny_models import make_tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = tmp_path_factory.mktemp("qwen3-0.6b")
     make_tokenizer(path)
     torch.manual_seed(0)
-    config = Qwen3Config(**QWEN3_06B)
     with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B)).to(torch.bfloat16)
     model.save_pretrained(path)
-    return path, model.eval()
+    # Module.float() converts in place: copy first. The fp32 copy holds exactly the bf16 weights.
+    return path, model.eval(), copy.deepcopy(model).float().eval()
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (x - ref).norm(dim=-1) / ref.norm(dim=-1)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bf16_logits_close_to_transformers(qwen3_06b, backend):
-    path, hf = qwen3_06b
+    """bf16 rounding alone moves logits by a few percent over 28 random layers, so the yardstick is
+    transformers' own bf16 error: both are measured against fp32 on the same weights and sequences."""
+    path, hf_bf16, hf_fp32 = qwen3_06b
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 150000) for _ in range(n)] for n in (7, 200, 1000)]
     llm = LLM(str(path), device="cuda", dtype="bfloat16", attention_backend=backend, max_model_len=2048,
@@ -66,31 +74,33 @@ def test_bf16_logits_close_to_transformers(qwen3_06b, backend):
 
     def record(hidden):
         logits = original(hidden)
-        recorded.append(logits.float().cpu())
+        recorded.append(logits.float())
         return logits
 
     runner.model.compute_logits = record
-    n_new = 32
-    agree = total = 0
-    worst_prefill = worst_decode = 0.0
+    ours_err, hf_err, ours_agree, hf_agree = [], [], 0, 0
     try:
         for prompt in prompts:
             recorded.clear()
-            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True),
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                                use_tqdm=False)[0]["token_ids"]
             ours = torch.cat(recorded)  # one row per step: the logits each sampled token came from
+            seq = torch.tensor([prompt + out[:-1]], device="cuda")
             with torch.no_grad():
-                ref = hf(torch.tensor([prompt + out[:-1]], device="cuda")).logits[0, len(prompt) - 1:].float().cpu()
+                ref = hf_fp32(seq).logits[0, len(prompt) - 1:].float()
+                theirs = hf_bf16(seq).logits[0, len(prompt) - 1:].float()
             assert ours.shape == ref.shape
-            err = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
-            worst_prefill = max(worst_prefill, float(err[0]))
-            worst_decode = max(worst_decode, float(err[1:].max()))
-            agree += int((ref.argmax(-1) == torch.tensor(out)).sum())
-            total += len(out)
+            ours_err.append(rel_err(ours, ref))
+            hf_err.append(rel_err(theirs, ref))
+            ours_agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+            hf_agree += int((theirs.argmax(-1) == ref.argmax(-1)).sum())
     finally:
         llm.close()
-    rate = agree / total
-    print(f"\n[{backend}] bf16 Qwen3-0.6B shapes: relative logit error prefill {worst_prefill:.4f}, "
-          f"decode {worst_decode:.4f}; greedy agreement with transformers {agree}/{total} = {rate:.3f}")
-    assert worst_prefill < 0.05 and worst_decode < 0.05
-    assert rate >= 0.9
+    ours_err, hf_err = torch.cat(ours_err), torch.cat(hf_err)
+    n = len(ours_err)
+    print(f"\n[{backend}] bf16 Qwen3-0.6B shapes vs fp32 transformers, {n} positions: relative logit error "
+          f"ours mean {ours_err.mean():.4f} max {ours_err.max():.4f} (prefill rows {ours_err[::32].max():.4f}); "
+          f"transformers-bf16 mean {hf_err.mean():.4f} max {hf_err.max():.4f}; greedy agreement with fp32 "
+          f"ours {ours_agree}/{n} = {ours_agree / n:.3f}, transformers-bf16 {hf_agree}/{n} = {hf_agree / n:.3f}")
+    assert ours_err.mean() <= 1.5 * hf_err.mean() + 0.005
+    assert ours_agree >= hf_agree - 0.05 * n
