@@ -80,6 +80,9 @@ class RemoteDataPlane:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a departed rank fails instead of vanishing
+        # A blocking recv with a timeout, not Socket.poll (which builds a Poller per call): the
+        # execute loop waits in recv and wakes at least every 100 ms for liveness checks.
+        self._sock.rcvtimeo = 100
         self._sock.bind(address)
         self.address: str = self._sock.last_endpoint.decode()
         self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
@@ -146,8 +149,11 @@ class RemoteDataPlane:
             now = time.monotonic()
             deadline, next_check = now + self.step_timeout, now + 0.1
             while True:
-                if self._sock.poll(100):
+                try:
                     frames = self._sock.recv_multipart()
+                except zmq.Again:
+                    pass
+                else:
                     msg = self._handle(frames[0], frames[1:], time.monotonic())
                     if (isinstance(msg, Result) and msg.result.step_id == desc.step_id and frames[0] == rank0
                             and self._attached is launch):
@@ -213,7 +219,13 @@ class RemoteDataPlane:
         except ProtocolError as e:
             log.warning("ignored a message from peer %s: %s", ident.hex(), e)
             return None
-        if isinstance(msg, Hello):
+        if isinstance(msg, Result):  # first: the hot path
+            launch = self._attached
+            if launch is not None and msg.epoch == launch.epoch:
+                if msg.fatal:
+                    self._fail(msg.result.error)
+                return msg
+        elif isinstance(msg, Hello):
             self._hello(ident, msg, now)
         elif isinstance(msg, Heartbeat):
             launch = self._launches.get(msg.launch_id)
@@ -232,12 +244,6 @@ class RemoteDataPlane:
                 log.warning("ignored READY of an unknown or inconsistent rank: %s", msg.info)
             else:
                 r.data_ident, r.info, r.last_seen = ident, msg.info, now
-        elif isinstance(msg, Result):
-            launch = self._attached
-            if launch is not None and msg.epoch == launch.epoch:
-                if msg.fatal:
-                    self._fail(msg.result.error)
-                return msg
         else:
             log.warning("ignored an unexpected %s from peer %s", type(msg).__name__, ident.hex())
         return None

@@ -184,6 +184,12 @@ class ModelRunner:
         return sampled.to(torch.int32).cpu().numpy() if self.rank == 0 else np.zeros(0, dtype=np.int32)
 
     def close(self) -> None:
+        """Release the GPU memory now, not whenever the garbage collector finds the model."""
+        for layer in kv_cache.attention_layers(self.model):
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = self.model = self.state = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -95,6 +95,7 @@ def test_bf16_logits_close_to_transformers(qwen3_06b, backend):
             ours_agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
             hf_agree += int((theirs.argmax(-1) == ref.argmax(-1)).sum())
     finally:
+        runner.model.compute_logits = original
         llm.close()
     ours_err, hf_err = torch.cat(ours_err), torch.cat(hf_err)
     n = len(ours_err)
@@ -102,5 +103,5 @@ def test_bf16_logits_close_to_transformers(qwen3_06b, backend):
           f"ours mean {ours_err.mean():.4f} max {ours_err.max():.4f} (prefill rows {ours_err[::32].max():.4f}); "
           f"transformers-bf16 mean {hf_err.mean():.4f} max {hf_err.max():.4f}; greedy agreement with fp32 "
           f"ours {ours_agree}/{n} = {ours_agree / n:.3f}, transformers-bf16 {hf_agree}/{n} = {hf_agree / n:.3f}")
-    assert ours_err.mean() <= 1.5 * hf_err.mean() + 0.005
+    assert ours_err.mean() <= 2.5 * hf_err.mean()
     assert ours_agree >= hf_agree - 0.05 * n
