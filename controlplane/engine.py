@@ -98,6 +98,7 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return StepOutput([], [], 0, False)
+        num_tokens = out.num_tokens  # before postprocess clears the scheduled counts
         desc = self.describe(out)
         result = self.data_plane.execute(desc)
         if result.error:
@@ -108,7 +109,7 @@ class Engine:
         finished = [seq for seq in produced if seq.is_finished]
         for seq in finished:
             self.seqs.pop(seq.seq_id, None)
-        return StepOutput(produced, finished, out.num_tokens, out.is_prefill, result.forward_time_s, out.seqs)
+        return StepOutput(produced, finished, num_tokens, out.is_prefill, result.forward_time_s, out.seqs)
 
     def describe(self, out: SchedulerOutput) -> StepDescriptor:
         """The step as deltas against what each data-plane slot already holds."""

@@ -81,6 +81,7 @@ def test_prefill_first_then_decode_and_chunking(model_dir):
     # Only the first request of a step may be chunked, so b waits: step 0 is a alone (30); step 1
     # b's first 50; step 2 b's last 30 — all prefill before any decode.
     assert [s.is_prefill for s in steps[:3]] == [True, True, True]
+    assert [s.num_tokens for s in steps[:4]] == [30, 50, 30, 2]  # what each step computed
     assert d[0].num_scheduled.tolist() == [30] and d[1].num_scheduled.tolist() == [50]
     assert d[2].num_scheduled.tolist() == [30] and d[2].num_computed.tolist() == [50]
     assert engine.scheduler.num_chunked_prefills == 1

@@ -1,0 +1,85 @@
+"""nano-vllm's throughput bench on nanoplane's embedded engine.
+
+256 requests, random.seed(0), prompt lengths randint(100, 1024) of ids randint(0, 10000), then
+max_tokens randint(100, 1024) per request, temperature 0.6, ignore_eos — on random bf16 weights of the
+Qwen3-0.6B architecture (generated once into --model-dir). Prints output tokens/s beside the card's
+floor (design.md: ~36,400 tok/s on one H200 for this workload).
+
+    python benchmarks/throughput.py [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+                 intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                 rope_theta=1000000.0, hidden_act="silu", torch_dtype="bfloat16", eos_token_id=0)
+FLOOR_TOK_S = 36_400  # design.md: bytes this workload must move, over the H200's 4.24 TB/s
+
+
+def make_random_model(path: Path) -> None:
+    """Random weights in the Qwen3-0.6B shapes; a tokenizer from the tests' generator."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_models import make_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(path)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in QWEN3_06B.items() if k != "architectures"}))
+    state = {k: v.to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(QWEN3_06B))
+
+
+def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(num_seqs)]
+    max_tokens = [random.randint(100, 1024) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-dir", default="/tmp/nanoplane-qwen3-0.6b-random")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--num-seqs", type=int, default=256)
+    args = p.parse_args()
+    path = Path(args.model_dir)
+    if not (path / "model.safetensors").is_file():
+        make_random_model(path)
+
+    from controlplane import LLM, SamplingParams
+
+    llm = LLM(str(path), enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              max_model_len=4096)
+    prompts, max_tokens = workload(args.num_seqs)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t
+    total = sum(max_tokens)
+    runner = llm.engine.data_plane.runner
+    print("| output tokens | time (s) | tok/s | floor tok/s | ratio | KV capacity (tokens) |")
+    print(f"| {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {FLOOR_TOK_S:,} | {total / elapsed / FLOOR_TOK_S:.1%} "
+          f"| {runner.num_kv_blocks * runner.block_size:,} |")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
