@@ -12,7 +12,7 @@ class DataPlaneConfig:
     dtype: str = "auto"  # auto, float32, float16, bfloat16
     rank: int = 0
     world_size: int = 1  # tensor-parallel size
-    dist_init: str = ""  # torch.distributed init method (tcp://host:port) when world_size > 1
+    dist_init: str = ""  # torch.distributed init method (tcp://host:port); launchers pick one when empty
     max_num_seqs: int = 256  # persistent batch slots
     max_num_batched_tokens: int = 16384  # sizes the activation profile
     max_model_len: int = 4096
@@ -24,9 +24,8 @@ class DataPlaneConfig:
     attention_backend: str = "auto"
     seed: int = 0
     epoch: int = 0
+    dist_timeout_s: float = 120.0  # how long ranks wait for each other in torch.distributed
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a tensor-parallel group of {self.world_size}")
-        if self.world_size > 1 and not self.dist_init:
-            raise ValueError("world_size > 1 needs dist_init (e.g. tcp://127.0.0.1:29500)")

@@ -46,9 +46,21 @@ class LocalDataPlane:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve_rank, args=(dataclasses.replace(self.cfg, rank=rank), child), daemon=True)
             proc.start()
+            child.close()  # so that a dead rank shows up as EOF here instead of a silent hang
             self.workers.append((proc, parent))
-        self.runner = ModelRunner(dataclasses.replace(self.cfg, rank=0))
-        return [self.runner.info()] + [conn.recv() for _, conn in self.workers]
+        try:
+            self.runner = ModelRunner(dataclasses.replace(self.cfg, rank=0))
+            infos = [self.runner.info()]
+            for rank, (_, conn) in enumerate(self.workers, start=1):
+                try:
+                    infos.append(conn.recv())
+                except EOFError:
+                    raise RuntimeError(f"tensor-parallel rank {rank} died while starting "
+                                       "(see its traceback above)") from None
+        except BaseException:
+            self.close()
+            raise
+        return infos
 
     def execute(self, desc: StepDescriptor) -> StepResult:
         for _, conn in self.workers:

@@ -8,6 +8,7 @@ other ranks so that every rank holds the next input tokens on its device.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -47,8 +48,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if cfg.world_size > 1:
+            if not cfg.dist_init:
+                raise ValueError("a tensor-parallel rank needs dist_init (e.g. tcp://127.0.0.1:29500)")
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.world_size)
+            # A bounded wait: a rank that died before joining turns into an error, not a hang.
+            dist.init_process_group(backend, init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.world_size,
+                                    timeout=timedelta(seconds=cfg.dist_timeout_s))
         self.hf_config = AutoConfig.from_pretrained(cfg.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, self.hf_config)
         self.backend = resolve_backend_name(cfg.attention_backend, self.device.type)
