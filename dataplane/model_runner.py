@@ -54,6 +54,15 @@ class ModelRunner:
             # A bounded wait: a rank that died before joining turns into an error, not a hang.
             dist.init_process_group(backend, init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.world_size,
                                     timeout=timedelta(seconds=cfg.dist_timeout_s))
+        try:
+            self._setup(cfg)
+        except BaseException:
+            # Leave no process group behind: a later runner in this process would inherit its size.
+            if cfg.world_size > 1 and dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+
+    def _setup(self, cfg: DataPlaneConfig) -> None:
         self.hf_config = AutoConfig.from_pretrained(cfg.model)
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, self.hf_config)
         self.backend = resolve_backend_name(cfg.attention_backend, self.device.type)
