@@ -337,9 +337,8 @@ class AsyncEngine:
                 log.exception("data plane readiness listener failed")
 
     def _snapshot(self) -> EngineStatus:
-        scheduler = self.engine.scheduler
-        return EngineStatus(len(scheduler.running), len(scheduler.waiting), self.engine.num_kv_blocks,
-                            scheduler.block_manager.num_used_blocks, self._ready)
+        running, waiting, used, total = self.engine.stats()
+        return EngineStatus(running, waiting, total, used, self._ready)
 
     @staticmethod
     def _dispatch(deliveries: list[tuple[_Stream, Output | BaseException]]) -> None:

@@ -53,9 +53,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from controlplane import LLM, SamplingParams
 
     llm = LLM(resolve_model(args.model), **engine_kwargs(args))
-    prompt = args.prompt
+    prompt: str | list[int] = args.prompt
     if not args.raw and llm.tokenizer.has_chat_template:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])[1]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
     out = llm.generate([prompt], params, use_tqdm=False)[0]

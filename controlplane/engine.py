@@ -91,6 +91,11 @@ class Engine:
         if seq is not None:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
+    def stats(self) -> tuple[int, int, int, int]:
+        """(running, waiting, KV blocks held by live requests, KV blocks in all)."""
+        s = self.scheduler
+        return len(s.running), len(s.waiting), s.block_manager.num_used_blocks, self.num_kv_blocks
+
     def has_work(self) -> bool:
         return not self.scheduler.is_finished()
 

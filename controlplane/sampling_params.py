@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from proto.plane import SamplingSpec
@@ -26,8 +27,8 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
 
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:

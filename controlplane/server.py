@@ -87,13 +87,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not m.role:
                 raise ValueError(f"message {i} has no role (e.g. 'user')")
         try:
-            text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content}
-                                                       for m in chat.messages])
+            return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages])
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
-        # The template writes the special tokens (BOS, turn markers) itself: adding them again at
-        # tokenization would double a BOS.
-        return text, self.tokenizer.hf.encode(text, add_special_tokens=False)
 
     def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")

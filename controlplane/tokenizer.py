@@ -43,3 +43,8 @@ class Tokenizer:
         if not self.has_chat_template:
             raise ValueError("this model has no chat template: send a plain text prompt instead")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        """The conversation's prompt text and ids; the template already holds any special tokens."""
+        text = self.apply_chat_template(messages)
+        return text, self.hf.encode(text, add_special_tokens=False)

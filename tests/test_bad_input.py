@@ -19,6 +19,7 @@ from controlplane import LLM, SamplingParams
     ({"seed": -1}, "seed"),
     ({"stop_token_ids": [-4]}, "stop_token_ids"),
     ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
 ])
 def test_invalid_sampling_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
