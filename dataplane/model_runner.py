@@ -18,7 +18,9 @@ from transformers import AutoConfig
 from dataplane import kv_cache
 from dataplane.batch_state import BatchState, StepRefused
 from dataplane.config import DataPlaneConfig
+from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.sampler import Sampler
+from dataplane.uploader import Uploader
 from models.attention_backend import resolve_backend_name, set_backend
 from models.context import AttentionContext, reset_context, set_context
 from models.loader import load_model
@@ -83,7 +85,16 @@ class ModelRunner:
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = kv_cache.allocate(self.model, self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.state = BatchState(cfg.max_num_seqs, self.max_model_len, self.block_size, self.device)
+        self.upload = Uploader(self.device)
+        self.graphs = self._capture_graphs()
         self.next_step_id = 0
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        # The torch backend sizes its tensors from host values, which a graph would freeze.
+        if self.cfg.enforce_eager or self.device.type != "cuda" or self.backend == "torch":
+            return None
+        return DecodeGraphs(self.model, self.cfg.max_num_seqs, self.state.max_blocks, self.hf_config.hidden_size,
+                            self.dtype, self.device)
 
     def _size_kv_cache(self) -> int:
         if self.cfg.num_kvcache_blocks:
@@ -148,60 +159,63 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, desc: StepDescriptor) -> np.ndarray:
         st, bs = self.state, self.block_size
-        slots, computed, scheduled = desc.slots, desc.num_computed, desc.num_scheduled
+        slots, computed, scheduled = desc.slots.astype(np.int64), desc.num_computed, desc.num_scheduled
         num_rows = len(slots)
         row_of_token = np.repeat(np.arange(num_rows), scheduled)
         cu = np.zeros(num_rows + 1, dtype=np.int32)
         np.cumsum(scheduled, out=cu[1:])
-        positions = (np.arange(cu[-1], dtype=np.int64) - cu[row_of_token] + computed[row_of_token])
+        positions = np.arange(cu[-1], dtype=np.int64) - cu[row_of_token] + computed[row_of_token]
         slot_of_token = slots[row_of_token]
         slot_mapping = st.block_tables[slot_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        context_lens = computed + scheduled
+        context_lens = (computed + scheduled).astype(np.int32)
         max_blocks = int(-(-context_lens.max() // bs))
-        dev = self.device
-        positions_t = torch.from_numpy(positions).to(dev)
-        input_ids = st.token_buf[torch.from_numpy(slot_of_token.astype(np.int64)).to(dev), positions_t]
-        set_context(AttentionContext(
-            is_decode=bool((scheduled == 1).all()),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            max_seqlen_q=int(scheduled.max()),
-            context_lens=torch.from_numpy(context_lens.astype(np.int32)).to(dev),
-            max_context_len=int(context_lens.max()),
-            block_tables=torch.from_numpy(np.ascontiguousarray(st.block_tables[slots, :max_blocks])).to(dev),
-        ))
-        hidden = self.model(input_ids, positions_t)
-        reset_context()
-        logits = self.model.compute_logits(hidden[torch.from_numpy(cu[1:] - 1).to(dev)])
-        if self.rank == 0:
-            sampled = self.sampler(
-                logits.float(),
-                torch.from_numpy(st.temperature[slots]).to(dev),
-                torch.from_numpy(st.top_k[slots]).to(dev),
-                torch.from_numpy(st.top_p[slots]).to(dev),
-                torch.from_numpy(st.min_p[slots]).to(dev),
-                [st.generators[s] for s in slots.tolist()],
-            )
+        tables = st.block_tables[slots, :max_blocks]
+        # A row that computed its slot's last known token produced the next one; it becomes the
+        # slot's next input. Mid-prompt chunks sample too, but that token is discarded.
+        grew = np.flatnonzero((context_lens == st.num_known[slots]) & (context_lens < self.max_model_len))
+        is_decode = bool((scheduled == 1).all())
+        (positions_t, slot_of_token_t, slot_mapping_t, last_rows_t, grew_t, grew_slots_t, grew_pos_t, cu_t,
+         context_lens_t, tables_t) = self.upload(
+            positions, slot_of_token, slot_mapping, (cu[1:] - 1).astype(np.int64), grew.astype(np.int64),
+            slots[grew], context_lens[grew].astype(np.int64), cu, context_lens, tables)
+        input_ids = st.token_buf[slot_of_token_t, positions_t]
+        if is_decode and self.graphs is not None and num_rows <= self.graphs.max_batch:
+            hidden = self.graphs.run(input_ids, positions_t, slot_mapping_t, context_lens_t, tables_t)
         else:
-            sampled = torch.empty(num_rows, dtype=torch.int64, device=dev)
+            set_context(AttentionContext(is_decode=is_decode, slot_mapping=slot_mapping_t, cu_seqlens_q=cu_t,
+                                         max_seqlen_q=int(scheduled.max()), context_lens=context_lens_t,
+                                         max_context_len=int(context_lens.max()), block_tables=tables_t))
+            hidden = self.model(input_ids, positions_t)
+            reset_context()
+        logits = self.model.compute_logits(hidden if is_decode else hidden[last_rows_t])
+        if self.rank == 0:
+            sampled = self._sample(logits, slots)
+        else:
+            sampled = torch.empty(num_rows, dtype=torch.int64, device=self.device)
         if self.world_size > 1:
             dist.broadcast(sampled, src=0)
-        # A row that computed its slot's last known token produced the next one; keep it as the
-        # slot's next input. Mid-prompt chunks sample too, but that token is discarded.
         st.num_computed[slots] = context_lens
-        grew = np.flatnonzero((context_lens == st.num_known[slots]) & (context_lens < self.max_model_len))
         if len(grew):
-            grew_t = torch.from_numpy(grew).to(dev)
-            st.token_buf[torch.from_numpy(slots[grew].astype(np.int64)).to(dev),
-                         torch.from_numpy(context_lens[grew].astype(np.int64)).to(dev)] = sampled[grew_t]
+            st.token_buf[grew_slots_t, grew_pos_t] = sampled[grew_t]
             st.num_known[slots[grew]] += 1
         return sampled.to(torch.int32).cpu().numpy() if self.rank == 0 else np.zeros(0, dtype=np.int32)
+
+    def _sample(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        st = self.state
+        temperature = st.temperature[slots]
+        if not temperature.any():  # all greedy: no parameters to upload, no sync
+            return logits.argmax(dim=-1)
+        top_k, top_p, min_p = st.top_k[slots], st.top_p[slots], st.min_p[slots]
+        filtered = bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any())
+        t, k, p, m = self.upload(temperature, top_k, top_p, min_p)
+        return self.sampler(logits.float(), t, k, p, m, [st.generators[s] for s in slots.tolist()],
+                            all_greedy=False, filtered=filtered)
 
     def close(self) -> None:
         """Release the GPU memory now, not whenever the garbage collector finds the model."""
         for layer in kv_cache.attention_layers(self.model):
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = self.model = self.state = None
+        self.kv_cache = self.model = self.state = self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if self.world_size > 1 and dist.is_initialized():

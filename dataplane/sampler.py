@@ -17,13 +17,19 @@ class Sampler:
         self.shared.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """logits [R, V] float32; parameters [R] on logits' device; returns [R] int64 token ids."""
+                 min_p: torch.Tensor, generators: list[torch.Generator | None], all_greedy: bool | None = None,
+                 filtered: bool | None = None) -> torch.Tensor:
+        """logits [R, V] float32; parameters [R] on logits' device; returns [R] int64 token ids.
+
+        `all_greedy` and `filtered` may be given by a caller that knows them from host copies of the
+        parameters; otherwise they are read from the device (a sync).
+        """
         greedy = logits.argmax(dim=-1)
-        if bool((temperature == 0).all()):
+        if all_greedy if all_greedy is not None else bool((temperature == 0).all()):
             return greedy
         logits = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
-        logits = apply_filters(logits, top_k, top_p, min_p)
+        if filtered is None or filtered:
+            logits = apply_filters(logits, top_k, top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
