@@ -52,12 +52,52 @@ def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+def instrument(llm) -> dict[str, list[float]]:
+    """Wrap the engine step and the data plane so that each step's time splits into host and device."""
+    engine, runner = llm.engine, llm.engine.data_plane.runner
+    timings: dict[str, list[float]] = {"step": [], "execute": [], "run": [], "rows": []}
+    step, execute, run = engine.step, engine.data_plane.execute, runner._run
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            timings[name].append(time.perf_counter() - t)
+            return out
+        return wrapper
+
+    def step_with_rows():
+        out = timed("step", step)()
+        timings["rows"].append(len(out.rows))
+        return out
+
+    engine.step = step_with_rows
+    engine.data_plane.execute = timed("execute", execute)
+    runner._run = timed("run", run)
+    return timings
+
+
+def report(t: dict[str, list[float]], elapsed: float) -> None:
+    step, execute, run = sum(t["step"]), sum(t["execute"]), sum(t["run"])
+    n = len(t["step"])
+    print(f"steps {n}: total {elapsed:.2f} s; engine.step {step:.2f} s; control plane outside execute "
+          f"{step - execute:.2f} s ({(step - execute) / n * 1e3:.2f} ms/step); data plane apply "
+          f"{execute - run:.2f} s; data plane run (prep + forward + sample + sync) {run:.2f} s "
+          f"({run / n * 1e3:.2f} ms/step)")
+    for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256)):
+        rows = [(s, r) for s, r in zip(t["run"], t["rows"], strict=False) if lo <= r <= hi]
+        if rows:
+            mean_ms = sum(s for s, _ in rows) / len(rows) * 1e3
+            print(f"  batch {lo:>3}-{hi:<3}: {len(rows):>5} steps, run {mean_ms:.2f} ms/step")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", default="/tmp/nanoplane-qwen3-0.6b-random")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     args = p.parse_args()
     path = Path(args.model_dir)
     if not (path / "model.safetensors").is_file():
@@ -70,9 +110,12 @@ def main() -> None:
     prompts, max_tokens = workload(args.num_seqs)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    timings = instrument(llm) if args.profile else None
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t
+    if timings is not None:
+        report(timings, elapsed)
     total = sum(max_tokens)
     runner = llm.engine.data_plane.runner
     print("| output tokens | time (s) | tok/s | floor tok/s | ratio | KV capacity (tokens) |")

@@ -93,18 +93,23 @@ class Scheduler:
     def _schedule_decode(self) -> SchedulerOutput:
         out = SchedulerOutput([], False)
         bm = self.block_manager
+        block_size = bm.block_size
         while self.running and len(out.seqs) < self.max_num_seqs:
             seq = self.running.popleft()
-            while not bm.can_append(seq, seq.num_tokens):
-                if self.running:
-                    self.preempt(self.running.pop())
+            # Most steps need no new block: test that cheaply before asking the block manager.
+            if len(seq.token_ids) > len(seq.block_table) * block_size:
+                while not bm.can_append(seq, seq.num_tokens):
+                    if self.running:
+                        self.preempt(self.running.pop())
+                    else:
+                        self.preempt(seq)
+                        break
                 else:
-                    self.preempt(seq)
-                    break
-            else:
-                seq.num_scheduled_tokens = 1
-                bm.may_append(seq, seq.num_tokens)
-                out.seqs.append(seq)
+                    bm.may_append(seq, seq.num_tokens)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+            seq.num_scheduled_tokens = 1
+            out.seqs.append(seq)
         self.running.extendleft(reversed(out.seqs))
         return out
 
@@ -138,12 +143,14 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
         """Apply a step's sampled tokens; returns the rows that produced an output token."""
         produced = []
+        block_size = self.block_manager.block_size
         for seq, token_id in zip(out.seqs, token_ids, strict=True):
             if seq.is_finished:  # aborted while the step ran
                 continue
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.hash_blocks(seq)
+            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+                self.block_manager.hash_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # a prefill chunk that stopped before the last prompt token
             seq.append_token(token_id)

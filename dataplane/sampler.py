@@ -31,14 +31,10 @@ class Sampler:
         if filtered is None or filtered:
             logits = apply_filters(logits, top_k, top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.shared)
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
+        seeded = [i for i, g in enumerate(generators) if g is not None]
+        noise = torch.empty_like(probs).exponential_(generator=self.shared)
+        for i in seeded:  # a seeded row's noise comes from its own generator alone
+            noise[i].exponential_(generator=generators[i])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperature == 0, greedy, sampled)
 
