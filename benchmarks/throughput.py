@@ -66,9 +66,20 @@ def instrument(llm) -> dict[str, list[float]]:
             return out
         return wrapper
 
+    import torch
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+
     def step_with_rows():
+        n = len(timings["step"])
+        if n == 300:  # well into the decode phase, with a full batch
+            prof.start()
         out = timed("step", step)()
         timings["rows"].append(len(out.rows))
+        if n == 309:
+            prof.stop()
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
         return out
 
     engine.step = step_with_rows
