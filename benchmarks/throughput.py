@@ -68,7 +68,8 @@ def instrument(llm) -> dict[str, list[float]]:
 
     import torch
 
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+    activity = torch.profiler.ProfilerActivity
+    prof = torch.profiler.profile(activities=[activity.CPU, activity.CUDA])
 
     def step_with_rows():
         n = len(timings["step"])
