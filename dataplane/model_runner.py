@@ -23,6 +23,7 @@ from dataplane.sampler import Sampler
 from dataplane.uploader import Uploader
 from models.attention_backend import resolve_backend_name, set_backend
 from models.context import AttentionContext, reset_context, set_context
+from models.layers.fused import enable_fused_kernels
 from models.loader import load_model
 from models.registry import model_class
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
@@ -69,6 +70,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device.type, self.hf_config)
         self.backend = resolve_backend_name(cfg.attention_backend, self.device.type)
         set_backend(self.backend)
+        enable_fused_kernels(self.backend != "torch")
         self.max_model_len = min(cfg.max_model_len, self.hf_config.max_position_embeddings)
         self.block_size = cfg.block_size
 

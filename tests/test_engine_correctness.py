@@ -19,11 +19,13 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 380) -> list[list
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("name", list(TINY))
-def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name):
+@pytest.mark.parametrize("name,backend", [(name, "torch") for name in TINY] + [("qwen3", "triton"),
+                                                                               ("llama-mqa", "triton")])
+def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, backend):
+    """backend "triton" runs our kernels (attention, fused RMSNorm, rotary) in Triton's interpreter."""
     path = tiny_models[name]
     prompts = random_prompts(LENGTHS, seed=len(name))
-    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64)
+    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend)
     try:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_chunked_prefills > 0  # 130 and 300 do not fit a 64-token step

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.layers.fused import fused_kernels_enabled
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -20,6 +22,15 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if fused_kernels_enabled():
+            import kernels
+
+            shape = x.shape
+            if residual is None:
+                return kernels.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
+            out, residual = kernels.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
+                                             residual.reshape(-1, shape[-1]))
+            return out.view(shape), residual.view(shape)
         if residual is None:
             return self._norm(x)
         residual = x + residual

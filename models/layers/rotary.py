@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from models.layers.fused import fused_kernels_enabled
+
 
 def inverse_frequencies(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -37,6 +39,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused_kernels_enabled():
+            import kernels
+
+            return kernels.apply_rotary(q, k, positions, self.cos_sin_cache)  # in place
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
