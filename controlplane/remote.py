@@ -25,18 +25,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from proto.codec import (
-    Heartbeat,
-    Hello,
-    ProtocolError,
-    Ready,
-    Result,
-    Shutdown,
-    Welcome,
-    decode,
-    encode_control,
-    encode_descriptor,
-)
+from proto import codec
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 EXIT_RESTART = 75  # the exit code a shut-down rank uses when its data plane should be restarted
@@ -134,7 +123,7 @@ class RemoteDataPlane:
 
     def execute(self, desc: StepDescriptor) -> StepResult:
         """Send the step to every rank and wait for rank 0's result; DataPlaneUnavailable on failure."""
-        frames = encode_descriptor(desc)
+        frames = codec.encode_descriptor(desc)
         with self._lock:
             launch = self._attached
             if launch is None:
@@ -155,7 +144,7 @@ class RemoteDataPlane:
                     pass
                 else:
                     msg = self._handle(frames[0], frames[1:], time.monotonic())
-                    if (isinstance(msg, Result) and msg.result.step_id == desc.step_id and frames[0] == rank0
+                    if (isinstance(msg, codec.Result) and msg.result.step_id == desc.step_id and frames[0] == rank0
                             and self._attached is launch):
                         return msg.result
                 now = time.monotonic()
@@ -211,33 +200,33 @@ class RemoteDataPlane:
 
     def _send(self, ident: bytes, msg) -> None:
         with contextlib.suppress(zmq.ZMQError):  # a departed peer: the liveness checks deal with it
-            self._sock.send_multipart([ident, *encode_control(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, *codec.encode_control(msg)], zmq.NOBLOCK)
 
     def _handle(self, ident: bytes, frames: list[bytes], now: float):
         try:
-            msg = decode(frames)
-        except ProtocolError as e:
+            msg = codec.decode(frames)
+        except codec.ProtocolError as e:
             log.warning("ignored a message from peer %s: %s", ident.hex(), e)
             return None
-        if isinstance(msg, Result):  # first: the hot path
+        if isinstance(msg, codec.Result):  # first: the hot path
             launch = self._attached
             if launch is not None and msg.epoch == launch.epoch:
                 if msg.fatal:
                     self._fail(msg.result.error)
                 return msg
-        elif isinstance(msg, Hello):
+        elif isinstance(msg, codec.Hello):
             self._hello(ident, msg, now)
-        elif isinstance(msg, Heartbeat):
+        elif isinstance(msg, codec.Heartbeat):
             launch = self._launches.get(msg.launch_id)
             r = launch.ranks.get(msg.rank) if launch is not None and launch.epoch == msg.epoch else None
             if r is None:
-                self._send(ident, Shutdown(EXIT_RESTART, "this control plane does not know your data plane "
-                                                         "(it was replaced, or the control plane restarted)"))
+                self._send(ident, codec.Shutdown(EXIT_RESTART, "unknown data plane (it was replaced, or the "
+                                                               "control plane restarted)"))
             else:
                 r.last_seen = now
                 r.beat_ident = ident
-                self._send(ident, Heartbeat(msg.launch_id, msg.epoch, -1))
-        elif isinstance(msg, Ready):
+                self._send(ident, codec.Heartbeat(msg.launch_id, msg.epoch, -1))
+        elif isinstance(msg, codec.Ready):
             launch = self._launches.get(msg.launch_id)
             r = launch.ranks.get(msg.info.rank) if launch is not None else None
             if r is None or msg.info.epoch != launch.epoch or msg.info.world_size != launch.world_size:
@@ -248,9 +237,9 @@ class RemoteDataPlane:
             log.warning("ignored an unexpected %s from peer %s", type(msg).__name__, ident.hex())
         return None
 
-    def _hello(self, ident: bytes, msg: Hello, now: float) -> None:
+    def _hello(self, ident: bytes, msg: codec.Hello, now: float) -> None:
         if msg.launch_id in self._retired:
-            self._send(ident, Shutdown(EXIT_RESTART, "this data plane was retired; restart it to re-attach"))
+            self._send(ident, codec.Shutdown(EXIT_RESTART, "this data plane was retired; restart it to re-attach"))
             return
         launch = self._launches.get(msg.launch_id)
         if launch is None:
@@ -260,14 +249,14 @@ class RemoteDataPlane:
         if msg.world_size != expected or not 0 <= msg.rank < msg.world_size:
             self._retire(launch, EXIT_CONFIG, f"rank {msg.rank} of a world of {msg.world_size}: this control plane "
                                               f"runs tensor-parallel size {expected}")
-            self._send(ident, Shutdown(EXIT_CONFIG, f"tensor-parallel size {expected} expected"))
+            self._send(ident, codec.Shutdown(EXIT_CONFIG, f"tensor-parallel size {expected} expected"))
             return
         r = launch.ranks.get(msg.rank)
         if r is None:
             launch.ranks[msg.rank] = _Rank(msg.rank, msg.pid, ident, now)
         else:
             r.beat_ident, r.pid, r.last_seen = ident, msg.pid, now
-        self._send(ident, Welcome(msg.launch_id, launch.epoch))
+        self._send(ident, codec.Welcome(msg.launch_id, launch.epoch))
 
     def _check(self, now: float) -> None:
         launch = self._attached
@@ -294,9 +283,9 @@ class RemoteDataPlane:
         self._launches.pop(launch.launch_id, None)
         self._retired.add(launch.launch_id)
         for r in launch.ranks.values():
-            self._send(r.beat_ident, Shutdown(exit_code, reason))
+            self._send(r.beat_ident, codec.Shutdown(exit_code, reason))
             if r.data_ident:
-                self._send(r.data_ident, Shutdown(exit_code, reason))
+                self._send(r.data_ident, codec.Shutdown(exit_code, reason))
 
     def _attach(self, launch: _Launch) -> list[PlaneInfo]:
         for other in list(self._launches.values()):

@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from dataplane.config import DataPlaneConfig
-from proto.codec import Heartbeat, Hello, ProtocolError, Ready, Shutdown, Welcome, decode, encode_control, encode_result
+from proto import codec
 from proto.plane import StepDescriptor, StepResult
 
 EXIT_RESTART = 75  # EX_TEMPFAIL
@@ -72,10 +72,12 @@ class _Liveness(threading.Thread):
 
     def run(self) -> None:
         opts = self.opts
-        hello = encode_control(Hello(opts.launch_id, self.rank, self.world_size, os.getpid()))
+        hello = codec.encode_control(codec.Hello(opts.launch_id, self.rank, self.world_size, os.getpid()))
         last_heard = time.monotonic()
         while not self.exit_requested.is_set():
-            beat = encode_control(Heartbeat(opts.launch_id, self.epoch, self.rank)) if self.welcomed.is_set() else hello
+            beat = hello
+            if self.welcomed.is_set():
+                beat = codec.encode_control(codec.Heartbeat(opts.launch_id, self.epoch, self.rank))
             with contextlib.suppress(zmq.Again):  # not connected (yet): control_timeout below decides
                 self.sock.send_multipart(beat, zmq.NOBLOCK)
             deadline = time.monotonic() + opts.heartbeat_interval
@@ -93,14 +95,14 @@ class _Liveness(threading.Thread):
 
     def _handle(self, frames: list[bytes]) -> bool:
         try:
-            msg = decode(frames)
-        except ProtocolError as e:
+            msg = codec.decode(frames)
+        except codec.ProtocolError as e:
             log.warning("rank %d ignored a malformed control message: %s", self.rank, e)
             return False
-        if isinstance(msg, Welcome) and msg.launch_id == self.opts.launch_id:
+        if isinstance(msg, codec.Welcome) and msg.launch_id == self.opts.launch_id:
             self.epoch = msg.epoch
             self.welcomed.set()
-        elif isinstance(msg, Shutdown):
+        elif isinstance(msg, codec.Shutdown):
             self.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
         return True
 
@@ -141,20 +143,21 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _L
     data.linger = 0
     data.rcvtimeo = 100  # wake to notice an exit request; cheaper per step than Socket.poll
     data.connect(opts.control)
-    data.send_multipart(encode_control(Ready(opts.launch_id, dataclasses.replace(runner.info(), epoch=epoch))))
+    info = dataclasses.replace(runner.info(), epoch=epoch)
+    data.send_multipart(codec.encode_control(codec.Ready(opts.launch_id, info)))
     log.info("rank %d ready: epoch %d, %d KV blocks on %s", cfg.rank, epoch, runner.num_kv_blocks, runner.device)
     try:
         while not live.exit_requested.is_set():
             try:
-                msg = decode(data.recv_multipart(copy=False))
+                msg = codec.decode(data.recv_multipart(copy=False))
             except zmq.Again:
                 continue
-            except ProtocolError as e:
+            except codec.ProtocolError as e:
                 log.warning("rank %d ignored a malformed message: %s", cfg.rank, e)
                 continue
             if isinstance(msg, StepDescriptor):
                 _step(runner, msg, epoch, data, cfg.rank)
-            elif isinstance(msg, Shutdown):
+            elif isinstance(msg, codec.Shutdown):
                 live.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
     finally:
         data.close()
@@ -174,9 +177,9 @@ def _step(runner, desc: StepDescriptor, epoch: int, data: zmq.Socket, rank: int)
             # The rank's state is unknown now: tell the control plane (any rank may), then die so
             # the launcher takes the whole data plane down for a clean restart.
             error = StepResult(desc.step_id, np.zeros(0, np.int32), error=f"rank {rank} failed: {e!r}")
-            data.send_multipart(encode_result(error, epoch, rank, fatal=True), copy=False)
+            data.send_multipart(codec.encode_result(error, epoch, rank, fatal=True), copy=False)
             raise
     if rank == 0:
-        data.send_multipart(encode_result(result, epoch, rank), copy=False)
+        data.send_multipart(codec.encode_result(result, epoch, rank), copy=False)
     elif result.error:
         log.warning("%s", result.error)

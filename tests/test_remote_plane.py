@@ -56,7 +56,8 @@ class FakeRank:
         self.last_reply = None
         while self.beating:
             self.beat.send_multipart(codec.encode_control(codec.Heartbeat(self.launch_id, self.epoch, self.rank)))
-            if self.beat.poll(100):
+            time.sleep(0.1)
+            while self.beat.poll(0):
                 self.last_reply = codec.decode(self.beat.recv_multipart())
 
     def answer(self, step_id: int, tokens: list[int], epoch: int | None = None) -> None:
