@@ -79,6 +79,7 @@ class RemoteDataPlane:
         self._retired: set[int] = set()
         self._attached: _Launch | None = None
         self._failure = "no data plane attached yet"
+        self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
         self._next_epoch = 1
         self._closed = False
         # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
@@ -123,39 +124,44 @@ class RemoteDataPlane:
 
     def execute(self, desc: StepDescriptor) -> StepResult:
         """Send the step to every rank and wait for rank 0's result; DataPlaneUnavailable on failure."""
+        self.submit(desc)
+        return self.collect(desc.step_id)
+
+    def submit(self, desc: StepDescriptor) -> None:
+        """Send a step without waiting, so the engine can queue step N+1 while step N runs (overlap)."""
         frames = codec.encode_descriptor(desc)
         with self._lock:
-            launch = self._attached
-            if launch is None:
-                raise DataPlaneUnavailable(self._failure)
+            launch = self._require()
             for r in launch.ranks.values():
                 try:
                     self._sock.send_multipart([r.data_ident, *frames], zmq.NOBLOCK, copy=False)
                 except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
                     self._fail(f"rank {r.rank} (pid {r.pid}) is unreachable: {e}")
                     raise DataPlaneUnavailable(self._failure) from None
-            rank0 = launch.ranks[0].data_ident
+            self._pending[desc.step_id] = None
+
+    def collect(self, step_id: int) -> StepResult:
+        """Wait for rank 0's result of a submitted step; at most step_timeout from now."""
+        with self._lock:
             now = time.monotonic()
             deadline, next_check = now + self.step_timeout, now + 0.1
             while True:
+                self._require()
+                if self._pending.get(step_id) is not None:
+                    return self._pending.pop(step_id)
+                if step_id not in self._pending:
+                    raise ValueError(f"step {step_id} was not submitted, or was collected already")
                 try:
                     frames = self._sock.recv_multipart()
+                    self._handle(frames[0], frames[1:], time.monotonic())
                 except zmq.Again:
                     pass
-                else:
-                    msg = self._handle(frames[0], frames[1:], time.monotonic())
-                    if (isinstance(msg, codec.Result) and msg.result.step_id == desc.step_id and frames[0] == rank0
-                            and self._attached is launch):
-                        return msg.result
                 now = time.monotonic()
                 if now >= next_check:
                     self._check(now)
                     next_check = now + 0.1
-                if self._attached is not launch:
-                    raise DataPlaneUnavailable(self._failure)
                 if now >= deadline:
-                    self._fail(f"step {desc.step_id} got no result within {self.step_timeout:.0f}s")
-                    raise DataPlaneUnavailable(self._failure)
+                    self._fail(f"step {step_id} got no result within {self.step_timeout:.0f}s")
 
     def close(self, stop_data_plane: bool = True) -> None:
         """Release the socket; with stop_data_plane the ranks are told to exit 0 (no restart).
@@ -202,18 +208,20 @@ class RemoteDataPlane:
         with contextlib.suppress(zmq.ZMQError):  # a departed peer: the liveness checks deal with it
             self._sock.send_multipart([ident, *codec.encode_control(msg)], zmq.NOBLOCK)
 
-    def _handle(self, ident: bytes, frames: list[bytes], now: float):
+    def _handle(self, ident: bytes, frames: list[bytes], now: float) -> None:
         try:
             msg = codec.decode(frames)
         except codec.ProtocolError as e:
             log.warning("ignored a message from peer %s: %s", ident.hex(), e)
-            return None
+            return
         if isinstance(msg, codec.Result):  # first: the hot path
-            launch = self._attached
-            if launch is not None and msg.epoch == launch.epoch:
-                if msg.fatal:
-                    self._fail(msg.result.error)
-                return msg
+            launch, step_id = self._attached, msg.result.step_id
+            if launch is None or msg.epoch != launch.epoch:
+                return  # a retired data plane's late answer
+            if msg.fatal:
+                self._fail(msg.result.error)
+            elif ident == launch.ranks[0].data_ident and self._pending.get(step_id, 0) is None:
+                self._pending[step_id] = msg.result
         elif isinstance(msg, codec.Hello):
             self._hello(ident, msg, now)
         elif isinstance(msg, codec.Heartbeat):
@@ -235,7 +243,6 @@ class RemoteDataPlane:
                 r.data_ident, r.info, r.last_seen = ident, msg.info, now
         else:
             log.warning("ignored an unexpected %s from peer %s", type(msg).__name__, ident.hex())
-        return None
 
     def _hello(self, ident: bytes, msg: codec.Hello, now: float) -> None:
         if msg.launch_id in self._retired:
@@ -261,14 +268,18 @@ class RemoteDataPlane:
     def _check(self, now: float) -> None:
         launch = self._attached
         if launch is not None:
-            for r in launch.ranks.values():
-                if now - r.last_seen > self.heartbeat_timeout:
-                    self._fail(f"rank {r.rank} (pid {r.pid}) sent no heartbeat for {now - r.last_seen:.1f}s")
-                    break
+            r = min(launch.ranks.values(), key=lambda r: r.last_seen)  # the first to fall silent is the news
+            if now - r.last_seen > self.heartbeat_timeout:
+                self._fail(f"rank {r.rank} (pid {r.pid}) sent no heartbeat for {now - r.last_seen:.1f}s")
         for pending in list(self._launches.values()):
             if pending is not self._attached and any(now - r.last_seen > self.pending_timeout
                                                      for r in pending.ranks.values()):
                 self._retire(pending, EXIT_RESTART, "a rank of this data plane went silent before it attached")
+
+    def _require(self) -> _Launch:
+        if self._attached is None:
+            raise DataPlaneUnavailable(self._failure)
+        return self._attached
 
     def _fail(self, reason: str) -> None:
         launch = self._attached
@@ -278,6 +289,7 @@ class RemoteDataPlane:
         log.error("%s", self._failure)
         self._retire(launch, EXIT_RESTART, reason)
         self._attached = None
+        self._pending.clear()
 
     def _retire(self, launch: _Launch, exit_code: int, reason: str) -> None:
         self._launches.pop(launch.launch_id, None)
@@ -293,6 +305,7 @@ class RemoteDataPlane:
                 self._retire(other, EXIT_RESTART, "a newer data plane attached")
         self._attached = launch
         self._failure = ""
+        self._pending.clear()
         infos = [launch.ranks[i].info for i in range(launch.world_size)]
         log.info("attached data plane of epoch %d: %d rank(s), %d KV blocks", launch.epoch, launch.world_size,
                  min(i.num_kv_blocks for i in infos))

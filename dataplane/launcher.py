@@ -121,6 +121,8 @@ def _stop(procs: list[mp.Process]) -> None:
         if p.is_alive():
             p.terminate()
     for p in procs:
+        if p.pid is None:  # a signal arrived before this one was started
+            continue
         p.join(STOP_GRACE_S)
         if p.is_alive():
             p.kill()

@@ -91,23 +91,33 @@ def test_protocol_with_fake_ranks():
         fake.answer(0, [7])
         assert running.result(5).sampled_token_ids.tolist() == [7]
 
+        client.submit(decode_step(1, fake.epoch))  # overlap: step 2 goes out before step 1 is back
+        client.submit(decode_step(2, fake.epoch))
+        assert [codec.decode(fake.data.recv_multipart()).step_id for _ in range(2)] == [1, 2]
+        fake.answer(2, [22])
+        fake.answer(1, [11])
+        assert client.collect(1).sampled_token_ids.tolist() == [11]
+        assert client.collect(2).sampled_token_ids.tolist() == [22]
+        with pytest.raises(ValueError, match="not submitted"):
+            client.collect(2)
+
         junk = zmq.Socket(zmq.Context.instance(), zmq.DEALER)  # a foreign peer cannot disturb it
         junk.connect(client.address)
         junk.send_multipart([b"GET / HTTP/1.1"])
         junk.send_multipart([b"NP\x07\x02", b"from the future"])
-        running = pool.submit(client.execute, decode_step(1, fake.epoch))
-        assert codec.decode(fake.data.recv_multipart()).step_id == 1
-        fake.answer(1, [8])
+        running = pool.submit(client.execute, decode_step(3, fake.epoch))
+        assert codec.decode(fake.data.recv_multipart()).step_id == 3
+        fake.answer(3, [8])
         assert running.result(5).sampled_token_ids.tolist() == [8]
         junk.close(0)
 
         fake.beating = False  # the rank hangs: no heartbeat, no result
         start = time.monotonic()
         with pytest.raises(DataPlaneUnavailable, match="no heartbeat"):
-            client.execute(decode_step(2, fake.epoch))
+            client.execute(decode_step(4, fake.epoch))
         assert time.monotonic() - start < 1.0 + 0.5 and not client.ready
         with pytest.raises(DataPlaneUnavailable):
-            client.execute(decode_step(3, fake.epoch))
+            client.execute(decode_step(5, fake.epoch))
         fake.close()
 
         fresh = FakeRank(client.address, launch_id=12)  # a restarted data plane re-attaches
