@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make run    set up .venv, then start nanoplane on the embedded default model and stream an answer
+#   make run    set up .venv, start the service on the embedded default model, stream an answer through
+#               the gRPC client, stop the service
 #   make test   set up .venv, then run the whole test suite (what CI runs, through .ci/run)
 
 PY ?= python3
@@ -24,7 +25,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(BIN)/nanoplane generate "$(PROMPT)"
+	$(BIN)/nanoplane demo "$(PROMPT)"
 
 test: setup
 	$(BIN)/python -m pytest -q

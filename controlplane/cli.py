@@ -1,16 +1,24 @@
 """The `nanoplane` command.
 
-    nanoplane generate "What is the capital of France?"     # embedded engine, default model
-    nanoplane generate --model DIR --device cuda "..."
+    nanoplane serve                                  # both planes on this host, the default model
+    nanoplane generate --server 127.0.0.1:50051 "What is the capital of France?"   # stream an answer
+    nanoplane generate "..."                         # no server: the embedded engine
+    nanoplane controlplane --model DIR --bind tcp://0.0.0.0:5555   # the planes apart (containers)
+    nanoplane dataplane --model DIR --control tcp://controlplane:5555 --tensor-parallel-size 2
+    nanoplane health --server 127.0.0.1:50051        # exit 0 while SERVING
 
-This module launches things; it imports the planes lazily inside the commands that need them, so
-`nanoplane controlplane` never loads torch.
+Every flag also takes its default from the environment: --max-num-seqs from NANOPLANE_MAX_NUM_SEQS,
+and so on. This module launches things; it imports the planes lazily inside the commands that need
+them, so `nanoplane controlplane` never loads torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+DEFAULT_PORT = 50051
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,7 +57,15 @@ def resolve_model(model: str | None) -> str:
     return str(default_model_dir())
 
 
+def engine_config(args: argparse.Namespace):
+    from controlplane.config import EngineConfig
+
+    return EngineConfig(resolve_model(args.model), **engine_kwargs(args))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
     from controlplane import LLM, SamplingParams
 
     llm = LLM(resolve_model(args.model), **engine_kwargs(args))
@@ -64,11 +80,109 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream the answer from a running server, as it is generated."""
+    from clients.client import Client
+
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
+    if args.sampling_seed is not None:
+        sampling["seed"] = args.sampling_seed
+    with Client(args.server) as client:
+        if args.raw:
+            chunks = client.generate(args.prompt, **sampling)
+        else:
+            chunks = client.generate(messages=[{"role": "user", "content": args.prompt}], **sampling)
+        for chunk in chunks:
+            print(chunk.text, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from controlplane.serve import run_serve
+
+    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind)
+
+
+def cmd_controlplane(args: argparse.Namespace) -> int:
+    from controlplane.serve import run_controlplane
+
+    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's first command: start the service, stream one answer through the client, stop."""
+    import socket
+    import subprocess
+    import time
+
+    from clients.client import Client
+
+    model = resolve_model(args.model)  # convert the default model here, before the server's clock starts
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", model, "--port", str(port)]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items() if not isinstance(v, bool)]
+    argv += ["--enforce-eager"] if args.enforce_eager else []
+    server = subprocess.Popen(argv)
+    address = f"127.0.0.1:{port}"
+    try:
+        with Client(address) as client:
+            deadline = time.monotonic() + args.start_timeout
+            while True:
+                if server.poll() is not None:
+                    print(f"nanoplane: the server exited with {server.returncode}", file=sys.stderr)
+                    return 1
+                try:
+                    if client.health() == "SERVING":
+                        break
+                except Exception:  # not listening yet
+                    pass
+                if time.monotonic() > deadline:
+                    print("nanoplane: the server did not become ready in time", file=sys.stderr)
+                    return 1
+                time.sleep(0.3)
+            print(f"> {args.prompt}", flush=True)
+            for chunk in client.generate(messages=[{"role": "user", "content": args.prompt}], temperature=0.0,
+                                         max_tokens=args.max_tokens):
+                print(chunk.text, end="", flush=True)
+            print()
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    return 0
+
+
+def cmd_dataplane(args: argparse.Namespace) -> int:
+    from dataplane.launcher import launch
+
+    return launch(args)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from clients.client import Client
+
+    try:
+        with Client(args.server) as client:
+            status = client.health()
+    except Exception as e:  # an unreachable server is simply not healthy
+        print(f"nanoplane: {args.server} is not reachable: {e}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoplane", description="Serve large language models over gRPC.")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="answer one prompt (embedded engine)")
+
+    g = sub.add_parser("generate", help="answer one prompt: from a server (--server) or the embedded engine")
     g.add_argument("prompt")
+    g.add_argument("--server", default=None, help="HOST:PORT of a running nanoplane; streams the answer")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -77,7 +191,56 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-seed", type=int, default=None)
     add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
+
+    for name, func, help_text in (("serve", cmd_serve, "both planes on this host (the data plane supervised)"),
+                                  ("controlplane", cmd_controlplane, "the control plane alone")):
+        s = sub.add_parser(name, help=help_text)
+        add_engine_arguments(s)
+        s.add_argument("--host", default="127.0.0.1" if name == "serve" else "0.0.0.0",
+                       help="address of the gRPC API")
+        s.add_argument("--port", type=int, default=DEFAULT_PORT)
+        s.add_argument("--bind", default=None if name == "serve" else "tcp://0.0.0.0:5555",
+                       help="ZeroMQ endpoint data planes connect to (serve: a private ipc:// socket)")
+        s.set_defaults(func=func)
+
+    demo = sub.add_parser("demo", help="start the service, stream one answer through the gRPC client, stop")
+    demo.add_argument("prompt", nargs="?", default="What is the capital of France?")
+    demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--start-timeout", type=float, default=600.0)
+    add_engine_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    d = sub.add_parser("dataplane", help="the data plane: one process per tensor-parallel rank")
+    from dataplane.launcher import add_arguments as add_dataplane_arguments  # no torch at import
+
+    add_dataplane_arguments(d)
+    d.set_defaults(func=cmd_dataplane)
+
+    h = sub.add_parser("health", help="exit 0 while the server's health service says SERVING")
+    h.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}")
+    h.set_defaults(func=cmd_health)
+
+    for p in sub.choices.values():
+        apply_environment(p)
     return parser
+
+
+def apply_environment(parser: argparse.ArgumentParser, environ: os._Environ | dict | None = None) -> None:
+    """Defaults from NANOPLANE_<LONG_FLAG> variables, so containers are configured by environment."""
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or action.dest == "help":
+            continue
+        value = environ.get("NANOPLANE_" + longs[0][2:].replace("-", "_").upper())
+        if value is None:
+            continue
+        if action.nargs == 0:  # a switch: 1/true/yes turn it on
+            parsed = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            parsed = action.type(value) if action.type else value
+        action.default = parsed
+        action.required = False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ class DataPlaneConfig:
     max_num_seqs: int = 256  # persistent batch slots
     max_num_batched_tokens: int = 16384  # sizes the activation profile
     max_model_len: int = 4096
-    block_size: int = 16
+    block_size: int = 0  # tokens per KV block; 0: 256 on GPU, 16 on CPU
     num_kvcache_blocks: int = 0  # 0: size the cache from memory
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_gib: float = 2.0

@@ -72,7 +72,7 @@ class ModelRunner:
         set_backend(self.backend)
         enable_fused_kernels(self.backend != "torch")
         self.max_model_len = min(cfg.max_model_len, self.hf_config.max_position_embeddings)
-        self.block_size = cfg.block_size
+        self.block_size = cfg.block_size or (16 if self.device.type == "cpu" else 256)
 
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

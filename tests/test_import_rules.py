@@ -50,11 +50,16 @@ def test_control_plane_runs_without_torch(tiny_models):
     code = f"""
 import sys
 import controlplane, controlplane.engine, controlplane.scheduler, controlplane.block_manager
+import controlplane.remote, controlplane.server, controlplane.async_engine, controlplane.serve, clients.client
+planes = sorted(m for m in sys.modules if m.split('.')[0] in ('dataplane', 'models', 'kernels'))
+assert not planes, planes
+import controlplane.cli
+controlplane.cli.build_parser()  # brings in the data plane's flags (dataplane.launcher), still no torch
 from controlplane import SamplingParams
 from controlplane.tokenizer import Tokenizer
 tok = Tokenizer({str(tiny_models['qwen3'])!r})
 assert tok.decode(tok.encode("the quick brown fox")) == "the quick brown fox"
-loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'dataplane', 'models', 'kernels'))
+loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'models', 'kernels'))
 print(loaded)
 assert not loaded, loaded
 """

@@ -1,0 +1,140 @@
+"""Run the control plane as a service, alone (`nanoplane controlplane`) or with a supervised data plane
+on the same host (`nanoplane serve`).
+
+The control plane binds the ZeroMQ endpoint (it is the stable side; data planes come and go), builds
+the engine once the data plane has reported ready, and serves gRPC until SIGINT/SIGTERM. When the
+data plane fails, open streams end with UNAVAILABLE, health goes NOT_SERVING, and the engine
+re-attaches to the next data plane that connects (`serve` restarts its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from controlplane.config import EngineConfig
+from controlplane.engine import Engine
+from controlplane.remote import RemoteDataPlane
+from controlplane.server import build_server
+
+log = logging.getLogger("nanoplane.serve")
+
+
+def reattach(old: Engine) -> Engine:
+    """A new engine over the data plane that connected after a failure (new epoch, step 0, empty cache)."""
+    return Engine(old.config, old.data_plane, tuple(old.scheduler.eos_token_ids))
+
+
+async def _serve(config: EngineConfig, data_plane: RemoteDataPlane, address: str,
+                 ready: threading.Event | None = None) -> None:
+    server = build_server(config, data_plane, address, recover=reattach)
+    port = await server.start()
+    log.info("gRPC API on %s (port %d), data plane at %s", address, port, data_plane.address)
+    print(f"nanoplane: serving {Path(config.model).name} on {address.rsplit(':', 1)[0]}:{port}", flush=True)
+    if ready is not None:
+        ready.set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not in the main thread
+            loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down")
+    await server.stop(grace=5.0)
+    waiter.cancel()
+    stopper.cancel()
+
+
+def run_controlplane(config: EngineConfig, bind: str, address: str) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s controlplane %(levelname)s %(message)s")
+    data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
+    log.info("waiting for a data plane to connect to %s", data_plane.address)
+    try:
+        asyncio.run(_serve(config, data_plane, address))
+    finally:
+        data_plane.close()
+    return 0
+
+
+class DataPlaneSupervisor:
+    """Keeps a `nanoplane dataplane` process running: restarts it when it exits, until stopped."""
+
+    def __init__(self, argv: list[str], min_restart_interval_s: float = 2.0):
+        self.argv = argv
+        self.min_restart_interval_s = min_restart_interval_s
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dataplane-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            self.proc = subprocess.Popen(self.argv)
+            code = self.proc.wait()
+            if self._stopping.is_set():
+                return
+            self.restarts += 1
+            log.warning("data plane exited with %s; restarting it (restart %d)", code, self.restarts)
+            # Do not spin on a data plane that dies at once (a bad flag, no GPU): back off.
+            self._stopping.wait(max(0.0, self.min_restart_interval_s - (time.monotonic() - started)))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self._thread.join(timeout)
+
+
+def dataplane_argv(config: EngineConfig, control: str) -> list[str]:
+    """The data-plane launcher command for this config (engine flags mapped to the launcher's)."""
+    argv = [sys.executable, "-m", "dataplane.launcher", "--model", config.model, "--control", control,
+            "--tensor-parallel-size", str(config.tensor_parallel_size), "--device", config.device,
+            "--dtype", config.dtype, "--max-num-seqs", str(config.max_num_seqs),
+            "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+            "--max-model-len", str(config.max_model_len), "--block-size", str(config.kvcache_block_size),
+            "--num-kvcache-blocks", str(config.num_kvcache_blocks),
+            "--gpu-memory-utilization", str(config.gpu_memory_utilization),
+            "--cpu-kvcache-gib", str(config.cpu_kvcache_gib), "--attention-backend", config.attention_backend,
+            "--seed", str(config.seed)]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
+def run_serve(config: EngineConfig, address: str, bind: str | None = None) -> int:
+    """Both planes on this host: the control plane here, the data plane in a supervised child."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
+    tmp = tempfile.mkdtemp(prefix="nanoplane-")
+    data_plane = RemoteDataPlane(bind or f"ipc://{tmp}/plane.sock", world_size=config.tensor_parallel_size)
+    supervisor = DataPlaneSupervisor(dataplane_argv(config, data_plane.address))
+    supervisor.start()
+    try:
+        asyncio.run(_serve(config, data_plane, address))
+    finally:
+        supervisor.stop()
+        data_plane.close()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, name))
+            os.rmdir(tmp)
+    return 0
