@@ -1,0 +1,132 @@
+"""`nanoplane serve` as users run it: real processes, the ZeroMQ data plane, gRPC clients.
+
+Streams equal the embedded engine's tokens at TP=1 and TP=2 (gloo); a data-plane rank killed mid-stream
+ends the open streams with UNAVAILABLE within seconds, health goes NOT_SERVING, the supervisor restarts
+the data plane and new requests succeed.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from clients.client import Client
+from controlplane import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(client: Client, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        try:
+            if client.health() == "SERVING":
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become ready")
+
+
+class Server:
+    def __init__(self, model: Path, tp: int):
+        self.port = free_port()
+        argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", str(model), "--device", "cpu",
+                "--port", str(self.port), "--tensor-parallel-size", str(tp), "--max-num-batched-tokens", "64"]
+        self.proc = subprocess.Popen(argv, cwd=ROOT)
+        self.client = Client(f"127.0.0.1:{self.port}")
+        wait_serving(self.client, self.proc)
+
+    def ranks(self) -> list[psutil.Process]:
+        """The rank processes: children of the data-plane launcher that serve supervises."""
+        children = psutil.Process(self.proc.pid).children()
+        launchers = [c for c in children if "dataplane.launcher" in " ".join(c.cmdline())]
+        return [r for launcher in launchers for r in launcher.children()]
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+PROMPTS_SEED = 4
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(PROMPTS_SEED)
+    return [[rng.randrange(1, 380) for _ in range(n)] for n in (3, 40, 130)]
+
+
+@pytest.fixture(scope="module")
+def embedded_tokens(tiny_models) -> list[list[int]]:
+    llm = LLM(str(tiny_models["qwen3"]), device="cpu", max_num_batched_tokens=64)
+    try:
+        outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    return [o["token_ids"] for o in outs]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_streams_equal_the_embedded_engine(tiny_models, embedded_tokens, tp):
+    server = Server(tiny_models["qwen3"], tp)
+    try:
+        assert server.client.model_info().tensor_parallel_size == tp
+        got = [[t for chunk in server.client.generate(p, temperature=0.0, max_tokens=16, ignore_eos=True)
+                for t in chunk.token_ids] for p in prompts()]
+        assert got == embedded_tokens
+        assert server.client.server_status().kv_blocks_used == 0
+    finally:
+        server.close()
+
+
+def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, embedded_tokens):
+    server = Server(tiny_models["qwen3"], 2)
+    try:
+        errors: list[grpc.RpcError] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            try:
+                for _ in server.client.generate(prompts()[2], temperature=0.0, max_tokens=1024 - 130, ignore_eos=True):
+                    started.set()
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60), errors
+        victim = server.ranks()[-1]
+        killed_at = time.monotonic()
+        victim.kill()
+        t.join(30)
+        assert not t.is_alive() and errors, "the open stream did not end"
+        assert errors[0].code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - killed_at < 15
+        # health says so while the data plane is away (it may already be back: then it says SERVING)
+        assert server.client.health() in ("NOT_SERVING", "SERVING")
+        wait_serving(server.client, server.proc, timeout=120)
+        got = [t for chunk in server.client.generate(prompts()[0], temperature=0.0, max_tokens=16, ignore_eos=True)
+               for t in chunk.token_ids]
+        assert got == embedded_tokens[0]
+    finally:
+        server.close()
