@@ -17,7 +17,7 @@ class EngineConfig:
     max_num_seqs: int = 256  # requests in one step, and data-plane slots
     max_num_batched_tokens: int = 16384  # tokens in one step; longer prompts are prefilled in chunks
     max_model_len: int = 4096  # prompt + output; capped by the model's max_position_embeddings
-    kvcache_block_size: int = 0  # tokens per KV block; 0: 256 on GPU, 16 on CPU
+    kvcache_block_size: int = 0  # tokens per KV block; 0: the data plane's default (256 on GPU, 16 on CPU)
     num_kvcache_blocks: int = 0  # set by hand: overrides the memory profile; 0 sizes the cache from memory
     gpu_memory_utilization: float = 0.9  # share of GPU memory the data plane may use in all
     cpu_kvcache_gib: float = 2.0  # KV cache budget on a CPU data plane
@@ -33,16 +33,13 @@ class EngineConfig:
         self.model = os.fspath(path)
         with open(path / "config.json") as f:
             self.hf_config = json.load(f)
-        if self.device == "auto":
-            self.device = "cuda" if _cuda_visible() else "cpu"
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        # "auto" stays "auto": the data plane, which has torch, resolves it.
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.kvcache_block_size == 0:
-            self.kvcache_block_size = 16 if self.device == "cpu" else 256
-        bs = self.kvcache_block_size
-        if bs < 16 or bs & (bs - 1):
+        bs = self.kvcache_block_size  # 0: the data plane picks (256 on GPU, 16 on CPU)
+        if bs != 0 and (bs < 16 or bs & (bs - 1)):
             raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {bs}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
@@ -66,10 +63,3 @@ class EngineConfig:
         archs = self.hf_config.get("architectures") or ["?"]
         return archs[0]
 
-
-def _cuda_visible() -> bool:
-    # The control plane has no torch: look for the NVIDIA driver instead. The embedded engine, which
-    # has torch, resolves "auto" itself before building the config.
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return os.path.exists("/dev/nvidia0") or os.path.isdir("/proc/driver/nvidia/gpus")
