@@ -6,6 +6,7 @@ Qwen3-0.6B architecture (generated once into --model-dir). Prints output tokens/
 floor (design.md: ~36,400 tok/s on one H200 for this workload).
 
     python benchmarks/throughput.py [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager]
+    python benchmarks/throughput.py --mode service   # nanoplane serve + one gRPC client process, 256 streams
 """
 
 from __future__ import annotations
@@ -110,10 +111,13 @@ def main() -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
+    p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
     args = p.parse_args()
     path = Path(args.model_dir)
     if not (path / "model.safetensors").is_file():
         make_random_model(path)
+    if args.mode == "service":
+        return run_service(path, args)
 
     from controlplane import LLM, SamplingParams
 
@@ -130,10 +134,79 @@ def main() -> None:
         report(timings, elapsed)
     total = sum(max_tokens)
     runner = llm.engine.data_plane.runner
-    print("| output tokens | time (s) | tok/s | floor tok/s | ratio | KV capacity (tokens) |")
-    print(f"| {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {FLOOR_TOK_S:,} | {total / elapsed / FLOOR_TOK_S:.1%} "
-          f"| {runner.num_kv_blocks * runner.block_size:,} |")
+    import resource
+
+    import torch
+
+    peak_gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    kv_tokens = runner.num_kv_blocks * runner.block_size
+    print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | KV capacity (tokens) "
+          "| peak GPU GiB | peak RSS GiB |")
+    print(f"| embedded | {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {FLOOR_TOK_S:,} | "
+          f"{total / elapsed / FLOOR_TOK_S:.1%} | {kv_tokens:,} | {peak_gpu:.1f} | {rss:.1f} |")
     llm.close()
+
+
+def run_service(path: Path, args: argparse.Namespace) -> None:
+    """The same workload through `nanoplane serve`: one client process drives all 256 streams."""
+    import asyncio
+    import socket
+    import subprocess
+
+    import psutil
+    from tqdm.auto import tqdm
+
+    from clients.client import AsyncClient, Client
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", str(path), "--port", str(port),
+            "--max-model-len", "4096", "--attention-backend", args.attention_backend]
+    server = subprocess.Popen(argv + (["--enforce-eager"] if args.enforce_eager else []))
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            while True:
+                try:
+                    if client.health() == "SERVING":
+                        break
+                except Exception:
+                    pass
+                if server.poll() is not None:
+                    raise RuntimeError("the server exited")
+                time.sleep(0.5)
+            client.generate_text([1, 2, 3], max_tokens=4)  # warm-up
+        prompts, max_tokens = workload(args.num_seqs)
+
+        async def drive() -> tuple[int, float]:
+            client = AsyncClient(f"127.0.0.1:{port}")
+            bar = tqdm(total=len(prompts), desc="Streams", dynamic_ncols=True)
+            counts = []
+
+            async def one(prompt: list[int], n: int) -> None:
+                got = 0
+                async for chunk in client.generate(prompt, temperature=0.6, max_tokens=n, ignore_eos=True):
+                    got += len(chunk.token_ids)
+                counts.append(got)
+                bar.update(1)
+
+            t = time.perf_counter()
+            await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
+            elapsed = time.perf_counter() - t
+            bar.close()
+            await client.close()
+            return sum(counts), elapsed
+
+        total, elapsed = asyncio.run(drive())
+        procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        rss = {p.pid: p.memory_info().rss / 2**30 for p in procs}
+        print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | RSS GiB per process (serve first) |")
+        print(f"| service | {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {FLOOR_TOK_S:,} | "
+              f"{total / elapsed / FLOOR_TOK_S:.1%} | {', '.join(f'{v:.1f}' for v in rss.values())} |")
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 if __name__ == "__main__":
