@@ -1,0 +1,48 @@
+# The control plane: public gRPC API, tokenizer, scheduler, engine loop. CPU only and without torch,
+# so the image stays a few hundred MB (the data plane's is ~10 GB) and runs on any node.
+#
+#   docker build -f docker/controlplane.Dockerfile -t nanoplane-controlplane .
+#   docker run -v /srv/models:/models:ro -p 50051:50051 -p 5555:5555 \
+#       -e NANOPLANE_MODEL=/models/Qwen3-0.6B nanoplane-controlplane
+FROM python:3.12-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1
+
+# Third-party packages first, in their own layer: they change far less often than our code.
+COPY docker/requirements-controlplane.txt /tmp/requirements-controlplane.txt
+RUN pip install -r /tmp/requirements-controlplane.txt
+
+# Only the packages the control plane's commands load. dataplane/ comes along because the CLI builds
+# the `nanoplane dataplane` flags from dataplane/launcher.py, which imports no torch.
+WORKDIR /opt/nanoplane
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY controlplane ./controlplane
+COPY clients ./clients
+COPY dataplane ./dataplane
+# --no-deps: pyproject.toml lists torch (for the data plane), which this image must never download.
+RUN pip install --no-deps . && rm -rf build ./*.egg-info
+
+# Fail the build, not the first start, when a control-plane command needs a package this image lacks
+# (torch above all: it is not installed, so any import of it fails here).
+RUN nanoplane controlplane --help >/dev/null \
+    && nanoplane health --help >/dev/null \
+    && python -I -c "import controlplane.serve, controlplane.server, controlplane.remote, clients.client"
+
+RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin nanoplane
+USER 10001
+
+# 50051: the gRPC API. 5555: the ZeroMQ endpoint the data-plane ranks connect to (--bind).
+EXPOSE 50051 5555
+
+# SERVING only while a data plane is attached, so a long start period: the data plane loads the
+# model and captures CUDA graphs before it says READY.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["nanoplane", "health", "--server", "127.0.0.1:50051"]
+
+ENTRYPOINT ["nanoplane"]
+CMD ["controlplane"]
