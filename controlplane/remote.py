@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from controlplane.errors import DataPlaneUnavailable  # one "data plane gone" error; the API maps it to UNAVAILABLE
 from proto import codec
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
@@ -34,8 +35,6 @@ EXIT_CONFIG = 2  # a launch this control plane can never use (wrong world size):
 log = logging.getLogger("nanoplane.remote")
 
 
-class DataPlaneUnavailable(RuntimeError):
-    """No healthy data plane is attached; abort the requests in flight and `start()` again."""
 
 
 @dataclass(slots=True)
