@@ -1,0 +1,343 @@
+"""The default model served on the CPU through gRPC, beside HuggingFace transformers' `generate`, in one run.
+
+For people without a GPU: `nanoplane serve --device cpu` on the embedded SmolLM2-135M-Instruct (float32),
+driven through the Python client, against transformers on the same chat-templated prompts and the same
+number of torch threads. Workloads, each 64 greedy output tokens per stream with `ignore_eos`:
+
+    (a) one chat stream            nanoplane: one gRPC stream;  transformers: generate on one prompt
+    (b) 16 concurrent chat streams nanoplane: 16 gRPC streams;  transformers: one left-padded batch of 16
+
+Reports output tokens/s (all output tokens / wall time), single-stream ms per output token and TTFT,
+and whether the single stream's greedy tokens are equal on both sides (float32 on the CPU: they
+should be, token for token). The issue's target, measured on a 2-core machine: transformers made
+20 tok/s on one stream and 137 tok/s on a padded batch of 16; nanoplane should reach at least twice that.
+
+    python benchmarks/cpu_service.py [--threads N] [--repeats 3]
+
+The two sides never run at the same time: the server is stopped before transformers loads, so each
+side has the machine's cores to itself. The server's torch threads are set through OMP_NUM_THREADS
+(inherited by its data-plane process); its control plane (gRPC, scheduler, detokenizer) runs in
+another process on the same cores, while transformers runs everything in this one.
+
+Run it on an otherwise idle machine: with as many torch threads as cores, every op that splits across
+threads (the KV-cache gather, attention) waits for a scheduler time slice (~20 ms) whenever another
+process holds a core, and both sides slow down several-fold. The report prints the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from clients.client import Client  # noqa: E402  (after the path: the script runs from anywhere)
+from models.default_model import default_model_dir  # noqa: E402
+
+# Short, different questions, so the 16 streams share only the chat template's prefix (as real users do).
+QUESTIONS = [
+    "What is the capital of France?",
+    "How do bees make honey?",
+    "Why is the sky blue?",
+    "What is a prime number?",
+    "How does a rainbow form?",
+    "Who wrote Romeo and Juliet?",
+    "What causes the seasons on Earth?",
+    "How many legs does a spider have?",
+    "What is photosynthesis?",
+    "Why do cats purr?",
+    "What is the boiling point of water?",
+    "How do airplanes stay in the air?",
+    "What is the largest ocean?",
+    "How do vaccines work?",
+    "What is a black hole?",
+    "Why do leaves change color in autumn?",
+]
+# The issue's transformers figures on a 2-core machine; nanoplane's target is twice each.
+ISSUE_TRANSFORMERS_TOK_S = {"1 stream": 20.0, "16 streams": 137.0}
+
+
+def chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}]
+
+
+@dataclass(slots=True)
+class Run:
+    """One timed pass of a workload."""
+
+    wall_s: float
+    token_ids: list[list[int]]  # per stream, in prompt order
+    ttft_s: float | None = None  # single stream only: request sent -> first token here
+    itl_s: float | None = None  # single stream only: mean gap between later tokens
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+@dataclass(slots=True)
+class Side:
+    """Both workloads of one side, `repeats` passes each; figures are medians over the passes."""
+
+    single: list[Run] = field(default_factory=list)
+    batch: list[Run] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)  # what the model saw, for the equality check
+
+    @staticmethod
+    def median(runs: Sequence[Run], key: Callable[[Run], float | None]) -> float:
+        return statistics.median(v for r in runs if (v := key(r)) is not None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_lengths(run: Run, max_tokens: int, who: str) -> None:
+    # ignore_eos (and no EOS stop in transformers) must make every stream exactly max_tokens long, or tok/s compares
+    # different amounts of work.
+    lengths = {len(t) for t in run.token_ids}
+    if lengths != {max_tokens}:
+        raise RuntimeError(f"{who}: streams produced {sorted(lengths)} tokens, expected exactly {max_tokens}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nanoplane through gRPC
+
+
+def start_server(model: str, port: int, threads: int, log_path: Path) -> subprocess.Popen:
+    """`nanoplane serve --device cpu` as cmd_demo starts it; its logs go to a file so tqdm stays readable."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", model, "--device", "cpu",
+            "--port", str(port)]
+    with open(log_path, "wb") as log:  # the child holds its own descriptor; ours can close
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_serving(client: Client, server: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}; its log: {log_path}")
+        try:
+            if client.health() == "SERVING":
+                return
+        except Exception:  # not listening yet
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not become ready in {timeout_s:.0f} s; its log: {log_path}")
+        time.sleep(0.3)
+
+
+def nanoplane_single(client: Client, question: str, max_tokens: int) -> Run:
+    from tqdm.auto import tqdm
+
+    tokens: list[int] = []
+    stamps: list[float] = []  # arrival time of each token (a chunk may carry several)
+    with tqdm(total=max_tokens, desc="nanoplane  1 stream ", unit="tok", dynamic_ncols=True) as bar:
+        start = time.perf_counter()
+        for chunk in client.generate(messages=chat(question), temperature=0.0, max_tokens=max_tokens,
+                                     ignore_eos=True):
+            now = time.perf_counter()
+            tokens += chunk.token_ids
+            stamps += [now] * len(chunk.token_ids)
+            bar.update(len(chunk.token_ids))
+        wall = time.perf_counter() - start
+    itl = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return Run(wall, [tokens], ttft_s=stamps[0] - start if stamps else None, itl_s=itl)
+
+
+def nanoplane_batch(client: Client, questions: Sequence[str], max_tokens: int) -> Run:
+    start = time.perf_counter()
+    # generate_batch opens one stream per prompt at once (max_concurrency >= 16) and draws the tqdm bar.
+    done = client.generate_batch([chat(q) for q in questions], max_concurrency=len(questions), temperature=0.0,
+                                 max_tokens=max_tokens, ignore_eos=True)
+    return Run(time.perf_counter() - start, [c.token_ids for c in done])
+
+
+def run_nanoplane(model: str, questions: Sequence[str], args: argparse.Namespace) -> Side:
+    side = Side()
+    log_path = Path(tempfile.mkdtemp(prefix="nanoplane-cpu-bench-")) / "serve.log"
+    port = free_port()
+    print(f"starting nanoplane serve --device cpu on port {port} (OMP_NUM_THREADS={args.threads}; log {log_path})",
+          flush=True)
+    server = start_server(model, port, args.threads, log_path)
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            wait_serving(client, server, args.start_timeout, log_path)
+            client.generate_text(messages=chat("Hi"), temperature=0.0, max_tokens=4)  # warm-up
+            side.prompt_ids = [client.tokenize(messages=chat(q)) for q in questions]
+            for _ in range(args.repeats):
+                side.single.append(nanoplane_single(client, questions[0], args.max_tokens))
+            for _ in range(args.repeats):
+                side.batch.append(nanoplane_batch(client, questions, args.max_tokens))
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    return side
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers
+
+
+class StepClock:
+    """A generate() streamer that stamps each decoding step and drives a tqdm bar.
+
+    generate() first puts the prompt, then each step's new tokens (one per row, batched or not).
+    """
+
+    def __init__(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+        self.stamps: list[float] = []
+        self._saw_prompt = False
+
+    def put(self, value: Any) -> None:
+        if not self._saw_prompt:
+            self._saw_prompt = True
+            return
+        self.stamps.append(time.perf_counter())
+        self.bar.update(1)
+
+    def end(self) -> None:
+        self.bar.close()
+
+
+def run_transformers(model_dir: str, questions: Sequence[str], args: argparse.Namespace) -> Side:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"  # decoder-only: pad before the prompt so every row ends at its last token
+    tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # The server's path: template to text, then encode without adding special tokens (the template has them).
+    texts = [tokenizer.apply_chat_template(chat(q), add_generation_prompt=True, tokenize=False) for q in questions]
+    side = Side(prompt_ids=[tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts])
+    # ignore_eos, as the server runs it: no EOS stops a row (eos_token_id=None), so every row makes exactly
+    # max_tokens. Not min_new_tokens: that masks EOS out of the logits, so greedy would pick another token
+    # wherever the model's argmax is EOS, and the tokens would part from nanoplane's at the first EOS.
+    # temperature/top_p/top_k None: greedy without the warnings about the model's sampling defaults.
+    gen = dict(max_new_tokens=args.max_tokens, do_sample=False, eos_token_id=None,
+               pad_token_id=tokenizer.eos_token_id, temperature=None, top_p=None, top_k=None)
+
+    def generate(batch: Sequence[str], desc: str) -> Run:
+        enc = tokenizer(list(batch), return_tensors="pt", padding=True, add_special_tokens=False)
+        clock = StepClock(args.max_tokens, desc)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**enc, **gen, streamer=clock)
+        wall = time.perf_counter() - start
+        new = out[:, enc["input_ids"].shape[1]:].tolist()
+        s = clock.stamps
+        itl = (s[-1] - s[0]) / (len(s) - 1) if len(s) > 1 else None
+        return Run(wall, new, ttft_s=s[0] - start if s else None, itl_s=itl)
+
+    generate(texts[:1], "transformers warm-up")
+    for _ in range(args.repeats):
+        side.single.append(generate(texts[:1], "transformers 1 stream "))
+    for _ in range(args.repeats):
+        side.batch.append(generate(texts, "transformers 16 rows  "))
+    return side
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def report(np_side: Side, hf_side: Side, args: argparse.Namespace, load_before: float) -> None:
+    n = args.max_tokens
+    same_prompts = np_side.prompt_ids == hf_side.prompt_ids
+    print(f"\nprompt token ids equal on both sides (server's Tokenize vs apply_chat_template + encode): "
+          f"{same_prompts}")
+    np_tokens, hf_tokens = np_side.single[0].token_ids[0], hf_side.single[0].token_ids[0]
+    diff = first_difference(np_tokens[:n], hf_tokens[:n])
+    print(f"single stream greedy tokens, first {n}: "
+          + ("equal" if diff is None else f"DIFFER from token {diff} (nanoplane {np_tokens[diff:diff + 4]}, "
+                                            f"transformers {hf_tokens[diff:diff + 4]})"))
+    # Informational: a padded batch and continuous batching use other matrix shapes than one row, so float32
+    # rounding may differ and a near-tie can flip; the single stream above is the strict check.
+    equal_rows = sum(a == b for a, b in zip(np_side.batch[0].token_ids, hf_side.batch[0].token_ids, strict=True))
+    print(f"{len(QUESTIONS)}-stream greedy tokens equal to transformers' padded batch: "
+          f"{equal_rows}/{len(QUESTIONS)} streams")
+    stable = all(r.token_ids == np_side.single[0].token_ids for r in np_side.single)
+    print(f"nanoplane single stream identical across its {len(np_side.single)} passes: {stable}")
+
+    rows = [("1 stream", np_side.single, hf_side.single), ("16 streams", np_side.batch, hf_side.batch)]
+    for name, np_runs, _ in rows:
+        target = 2 * ISSUE_TRANSFORMERS_TOK_S[name]
+        got = Side.median(np_runs, lambda r: r.tok_s)
+        print(f"target {name}: >= {target:.0f} tok/s (2x the issue's transformers): "
+              f"{'met' if got >= target else 'NOT met'} ({got:.1f})")
+
+    # Taken before our own processes start: what else was using these cores (see the module docstring).
+    busy = "" if load_before < 0.5 else " -- the machine was busy: figures are low, rerun when it is idle"
+    print(f"1-minute load average before the run: {load_before:.2f} on {os.cpu_count()} CPUs{busy}")
+    print(f"\nmedians of {args.repeats} passes; {args.threads} torch threads each side; {n} greedy output tokens "
+          f"per stream; SmolLM2-135M-Instruct float32 on the CPU\n")
+    print("| workload | nanoplane gRPC tok/s | transformers tok/s | ratio |")
+    print("| --- | --- | --- | --- |")
+    for name, np_runs, hf_runs in rows:
+        a, b = Side.median(np_runs, lambda r: r.tok_s), Side.median(hf_runs, lambda r: r.tok_s)
+        print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+    print("\n| single stream | nanoplane gRPC | transformers |")
+    print("| --- | --- | --- |")
+    ms = 1e3
+    print(f"| ms / output token (wall / {n}) | {Side.median(np_side.single, lambda r: r.wall_s) / n * ms:.1f} | "
+          f"{Side.median(hf_side.single, lambda r: r.wall_s) / n * ms:.1f} |")
+    print(f"| ms between tokens (decode) | {Side.median(np_side.single, lambda r: r.itl_s) * ms:.1f} | "
+          f"{Side.median(hf_side.single, lambda r: r.itl_s) * ms:.1f} |")
+    print(f"| TTFT (ms) | {Side.median(np_side.single, lambda r: r.ttft_s) * ms:.1f} | "
+          f"{Side.median(hf_side.single, lambda r: r.ttft_s) * ms:.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="torch threads for each side (default: the cores this process may use)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per workload; the report takes medians")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    args = p.parse_args()
+
+    model = str(default_model_dir())  # convert the default model now, before any clock starts
+    load_before = os.getloadavg()[0]
+    np_side = run_nanoplane(model, QUESTIONS, args)
+    for run in (*np_side.single, *np_side.batch):
+        check_lengths(run, args.max_tokens, "nanoplane")
+    hf_side = run_transformers(model, QUESTIONS, args)
+    for run in (*hf_side.single, *hf_side.batch):
+        check_lengths(run, args.max_tokens, "transformers")
+    report(np_side, hf_side, args, load_before)
+
+
+if __name__ == "__main__":
+    main()
