@@ -253,11 +253,11 @@ class AsyncEngine:
             log.exception("engine step failed; marking the data plane unavailable")
             self._set_unready(f"data plane failed: {type(exc).__name__}: {exc}", deliveries)
             return True
-        for seq in out.produced:
+        for seq, token in out.produced:
             stream = self._stream_of.get(seq.seq_id)
             if stream is None:
                 continue
-            deliveries.append((stream, _output(stream, seq, [seq.token_ids[-1]])))
+            deliveries.append((stream, _output(stream, seq, [token])))
             if seq.is_finished:
                 del self._stream_of[seq.seq_id], self._seq_of[stream]
         return bool(out.rows)

@@ -144,11 +144,13 @@ class BlockManager:
     def hash_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that the last step filled, so later requests can share them."""
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else NO_HASH
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+        # Only blocks whose tokens are all known: a pending token's value is still in flight.
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             tokens = seq.block(i)
             h = chain_hash(tokens, parent)
             block.hash, block.parent_hash, block.token_ids = h, parent, tokens
             self.hash_to_block_id[h] = block.block_id
             parent = h
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)

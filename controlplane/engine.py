@@ -17,7 +17,11 @@ from proto.plane import NewRequest, PlaneInfo, StepDescriptor, StepResult, int32
 
 
 class DataPlaneClient(Protocol):
-    """How the engine reaches the data plane: in-process or over a transport."""
+    """How the engine reaches the data plane: in-process or over a transport.
+
+    A client that also has `submit(desc)` and `collect(step_id) -> StepResult` lets the engine keep
+    one step in flight: step N+1 is scheduled and sent while step N runs.
+    """
 
     def start(self) -> list[PlaneInfo]:
         """Bring the ranks up and return each rank's handshake."""
@@ -31,18 +35,25 @@ class DataPlaneClient(Protocol):
 
 @dataclass(slots=True)
 class StepOutput:
-    produced: list[Sequence]  # requests that gained an output token this step
-    finished: list[Sequence]  # requests that ended this step (a subset of produced)
-    num_tokens: int  # tokens computed this step
+    """What a step's result did. With a step in flight, that is the previous step's result."""
+
+    produced: list[tuple[Sequence, int]]  # (request, its new output token), for each token that counts
+    finished: list[Sequence]  # requests that ended with this result
+    num_tokens: int  # tokens the step computed
     is_prefill: bool
     forward_time_s: float = 0.0
-    rows: list[Sequence] = field(default_factory=list)
+    rows: list[Sequence] = field(default_factory=list)  # the step's rows
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, data_plane: DataPlaneClient, eos_token_ids: tuple[int, ...]):
+    def __init__(self, config: EngineConfig, data_plane: DataPlaneClient, eos_token_ids: tuple[int, ...],
+                 overlap: bool | None = None):
+        """`overlap`: keep a step in flight (default: whenever the data plane can submit and collect)."""
         self.config = config
         self.data_plane = data_plane
+        can_overlap = hasattr(data_plane, "submit") and hasattr(data_plane, "collect")
+        self.overlap = can_overlap if overlap is None else overlap and can_overlap
+        self.inflight: tuple[SchedulerOutput, int, int] | None = None  # (output, step id, tokens)
         self.infos = data_plane.start()
         info = self.infos[0]
         self.num_kv_blocks = min(i.num_kv_blocks for i in self.infos)
@@ -97,21 +108,34 @@ class Engine:
         return len(s.running), len(s.waiting), s.block_manager.num_used_blocks, self.num_kv_blocks
 
     def has_work(self) -> bool:
-        return not self.scheduler.is_finished()
+        return self.inflight is not None or not self.scheduler.is_finished()
 
     def step(self) -> StepOutput:
+        """Schedule and send a step; return what the latest result did (this step's, or with overlap
+        the previous step's: the GPU then never waits for this host work)."""
         out = self.scheduler.schedule()
-        if not out.seqs:
+        sent = None
+        if out.seqs:
+            num_tokens = out.num_tokens
+            desc = self.describe(out)
+            self.scheduler.advance(out)
+            if not self.overlap:
+                return self._apply(out, num_tokens, self.data_plane.execute(desc), desc.step_id)
+            self.data_plane.submit(desc)
+            sent = (out, desc.step_id, num_tokens)
+        previous, self.inflight = self.inflight, sent
+        if previous is None:
             return StepOutput([], [], 0, False)
-        num_tokens = out.num_tokens  # before postprocess clears the scheduled counts
-        desc = self.describe(out)
-        result = self.data_plane.execute(desc)
+        prev_out, step_id, num_tokens = previous
+        return self._apply(prev_out, num_tokens, self.data_plane.collect(step_id), step_id)
+
+    def _apply(self, out: SchedulerOutput, num_tokens: int, result: StepResult, step_id: int) -> StepOutput:
         if result.error:
-            raise RuntimeError(f"data plane failed step {desc.step_id}: {result.error}")
-        if result.step_id != desc.step_id:
-            raise RuntimeError(f"data plane answered step {result.step_id} to step {desc.step_id}")
+            raise RuntimeError(f"data plane failed step {step_id}: {result.error}")
+        if result.step_id != step_id:
+            raise RuntimeError(f"data plane answered step {result.step_id} to step {step_id}")
         produced = self.scheduler.postprocess(out, result.sampled_token_ids.tolist())
-        finished = [seq for seq in produced if seq.is_finished]
+        finished = [seq for seq, _ in produced if seq.is_finished]
         for seq in finished:
             self.seqs.pop(seq.seq_id, None)
         return StepOutput(produced, finished, num_tokens, out.is_prefill, result.forward_time_s, out.seqs)
@@ -120,6 +144,7 @@ class Engine:
         """The step as deltas against what each data-plane slot already holds."""
         new_requests = []
         for seq in out.new_seqs:
+            assert not seq.num_pending, "a request is admitted only once its tokens are known"
             new_requests.append(NewRequest(seq.seq_id, seq.slot, int32_column(seq.token_ids),
                                            int32_column(seq.block_table), seq.num_computed_tokens,
                                            seq.params.to_spec()))

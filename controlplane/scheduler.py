@@ -21,6 +21,7 @@ class SchedulerOutput:
     is_prefill: bool
     new_seqs: list[Sequence] = field(default_factory=list)  # admitted to a slot this step
     freed_slots: list[int] = field(default_factory=list)  # slots released since the last step
+    produces: list[bool] = field(default_factory=list)  # per row: the step samples this row's next token
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +52,8 @@ class Scheduler:
         out = self._schedule_prefill()
         if not out.seqs:
             out = self._schedule_decode()
-        out.freed_slots, self.released_slots = self.released_slots, []
+        if out.seqs:  # freed slots ride on the next descriptor actually sent
+            out.freed_slots, self.released_slots = self.released_slots, []
         return out
 
     def _schedule_prefill(self) -> SchedulerOutput:
@@ -59,8 +61,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seq.slot < 0 and not self.free_slots:
-                break
+            if seq.slot < 0 and not self.free_slots or seq.num_pending:
+                break  # no slot free, or a preempted request whose last token is still in flight
             if not seq.block_table:
                 num_cached_blocks = self.block_manager.can_allocate(seq)
                 if num_cached_blocks == -1:
@@ -94,8 +96,13 @@ class Scheduler:
         out = SchedulerOutput([], False)
         bm = self.block_manager
         block_size = bm.block_size
+        waiting_for_results: list[Sequence] = []
         while self.running and len(out.seqs) < self.max_num_seqs:
             seq = self.running.popleft()
+            if len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
+                # Its last token is still in flight; the result will finish it.
+                waiting_for_results.append(seq)
+                continue
             # Most steps need no new block: test that cheaply before asking the block manager.
             if len(seq.token_ids) > len(seq.block_table) * block_size:
                 while not bm.can_append(seq, seq.num_tokens):
@@ -110,7 +117,7 @@ class Scheduler:
                     continue
             seq.num_scheduled_tokens = 1
             out.seqs.append(seq)
-        self.running.extendleft(reversed(out.seqs))
+        self.running.extendleft(reversed(out.seqs + waiting_for_results))
         return out
 
     def _release_slot(self, seq: Sequence) -> None:
@@ -133,6 +140,7 @@ class Scheduler:
             return
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.drop_pending()
         self.block_manager.deallocate(seq)
         self._release_slot(seq)
         if seq in self.running:
@@ -140,21 +148,31 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Apply a step's sampled tokens; returns the rows that produced an output token."""
-        produced = []
-        block_size = self.block_manager.block_size
-        for seq, token_id in zip(out.seqs, token_ids, strict=True):
-            if seq.is_finished:  # aborted while the step ran
-                continue
+    def advance(self, out: SchedulerOutput) -> None:
+        """Count a step as computed the moment it is sent, so the next one can be scheduled before
+        its result is back; a row that computes its sequence's last token gets a pending token."""
+        for seq in out.seqs:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            if seq.num_computed_tokens // block_size > seq.num_hashed_blocks:
+            produces = seq.num_computed_tokens == seq.num_tokens
+            if produces:
+                seq.append_pending()
+            out.produces.append(produces)
+
+    def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[tuple[Sequence, int]]:
+        """Apply a step's sampled tokens; returns (sequence, new token) for each token that counts."""
+        produced = []
+        block_size = self.block_manager.block_size
+        for seq, produces, token_id in zip(out.seqs, out.produces, token_ids, strict=True):
+            if seq.is_finished:  # aborted, or ended by an earlier result while this step ran
+                continue
+            if produces:
+                seq.fill_pending(token_id)
+            if min(seq.num_computed_tokens, seq.num_known_tokens) // block_size > seq.num_hashed_blocks:
                 self.block_manager.hash_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
+            if not produces:
                 continue  # a prefill chunk that stopped before the last prompt token
-            seq.append_token(token_id)
-            produced.append(seq)
+            produced.append((seq, token_id))
             params = seq.params
             if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
                 self.finish(seq, FinishReason.STOP)

@@ -7,6 +7,8 @@ from itertools import count
 
 from controlplane.sampling_params import SamplingParams
 
+PENDING = -1  # a token the data plane has sampled but the control plane has not seen yet
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -23,9 +25,12 @@ class FinishReason(Enum):
 class Sequence:
     """Mutable request state owned by the scheduler.
 
-    `num_computed_tokens` counts tokens whose KV is in the cache; `num_scheduled_tokens` is what the
-    current step computes. A sequence holds a data-plane `slot` from admission until it finishes or
-    is preempted; `num_sent_blocks` tells how much of the block table that slot already knows.
+    `num_computed_tokens` counts tokens whose KV is in the cache once the steps sent so far have run;
+    `num_scheduled_tokens` is what the step being built computes. A step that computes a sequence's
+    last token appends a PENDING token at once, filled in when the step's result comes back, so the
+    next step can be scheduled before that (`num_pending` of them trail `token_ids`). A sequence holds a
+    data-plane `slot` from admission until it finishes or is preempted; `num_sent_blocks` tells how much
+    of the block table that slot already knows.
     """
 
     _ids = count()
@@ -44,6 +49,7 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.slot = -1
         self.num_sent_blocks = 0
+        self.num_pending = 0
         self.finish_reason: FinishReason | None = None
 
     def __len__(self) -> int:
@@ -55,11 +61,17 @@ class Sequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Output tokens known so far (pending ones left out)."""
+        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The output tokens known so far (pending ones left out)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_blocks(self) -> int:
@@ -69,13 +81,20 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        """True while prompt (or recomputed) tokens remain to be computed."""
-        return self.num_computed_tokens < len(self.token_ids) - 1 or self.num_computed_tokens == 0
-
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    def append_pending(self) -> None:
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+
+    def fill_pending(self, token_id: int) -> None:
+        """The oldest pending token's value has arrived."""
+        self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """Forget tokens still in flight (the sequence ended before they could count)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import multiprocessing as mp
 import socket
+from collections import deque
 
 from dataplane.config import DataPlaneConfig
 from dataplane.model_runner import ModelRunner
@@ -38,6 +39,7 @@ class LocalDataPlane:
             cfg = dataclasses.replace(cfg, dist_init=f"tcp://127.0.0.1:{free_port()}")
         self.cfg = cfg
         self.runner: ModelRunner | None = None
+        self.pending: deque = deque()  # launched steps, oldest first
         self.workers: list[tuple[mp.Process, object]] = []
 
     def start(self) -> list[PlaneInfo]:
@@ -63,9 +65,20 @@ class LocalDataPlane:
         return infos
 
     def execute(self, desc: StepDescriptor) -> StepResult:
+        self.submit(desc)
+        return self.collect(desc.step_id)
+
+    def submit(self, desc: StepDescriptor) -> None:
+        """Queue a step; the engine schedules the next one while it runs."""
         for _, conn in self.workers:
             conn.send(desc)
-        return self.runner.execute(desc)
+        self.pending.append(self.runner.launch(desc))
+
+    def collect(self, step_id: int) -> StepResult:
+        launched = self.pending.popleft()
+        if launched.step_id != step_id:
+            raise RuntimeError(f"collected step {launched.step_id}, expected {step_id}")
+        return self.runner.wait(launched)
 
     def close(self) -> None:
         for proc, conn in self.workers:

@@ -8,6 +8,7 @@ other ranks so that every rank holds the next input tokens on its device.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -27,6 +28,18 @@ from models.layers.fused import enable_fused_kernels
 from models.loader import load_model
 from models.registry import model_class
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose GPU work is queued; `ModelRunner.wait` turns it into a StepResult."""
+
+    step_id: int
+    start: float
+    host: np.ndarray | torch.Tensor | None = None  # where the sampled ids land (rank 0)
+    done: torch.cuda.Event | None = None  # recorded after the copy to `host`
+    error: str = ""
+
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -88,6 +101,9 @@ class ModelRunner:
         self.kv_cache = kv_cache.allocate(self.model, self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.state = BatchState(cfg.max_num_seqs, self.max_model_len, self.block_size, self.device)
         self.upload = Uploader(self.device)
+        self.result_slot = 0
+        self.result_buffers = [torch.zeros(cfg.max_num_seqs, dtype=torch.int32).pin_memory()
+                               for _ in range(2)] if self.device.type == "cuda" else []
         self.graphs = self._capture_graphs()
         self.next_step_id = 0
 
@@ -147,19 +163,44 @@ class ModelRunner:
         )
 
     def execute(self, desc: StepDescriptor) -> StepResult:
+        return self.wait(self.launch(desc))
+
+    def launch(self, desc: StepDescriptor) -> Launched:
+        """Apply the descriptor and queue the step's GPU work; the sampled ids are copied back
+        asynchronously, so the host can prepare the next step while this one runs."""
         start = time.perf_counter()
         try:
             if desc.step_id != self.next_step_id:
                 raise StepRefused(f"expected step {self.next_step_id}, got step {desc.step_id}")
             self.state.apply(desc, self.sampler.generator)
         except StepRefused as e:
-            return StepResult(desc.step_id, np.zeros(0, dtype=np.int32), error=f"rank {self.rank} refused: {e}")
+            return Launched(desc.step_id, start, error=f"rank {self.rank} refused: {e}")
         self.next_step_id += 1
         sampled = self._run(desc)
-        return StepResult(desc.step_id, sampled, forward_time_s=time.perf_counter() - start)
+        if self.rank != 0:
+            return Launched(desc.step_id, start)
+        n = sampled.shape[0]
+        if self.device.type != "cuda":
+            return Launched(desc.step_id, start, host=sampled.to(torch.int32).numpy())
+        # Two pinned buffers in turn: one step's copy may still be in flight while the next is queued.
+        self.result_slot ^= 1
+        host = self.result_buffers[self.result_slot][:n]
+        host.copy_(sampled.to(torch.int32), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(desc.step_id, start, host=host, done=done)
+
+    def wait(self, launched: Launched) -> StepResult:
+        if launched.error:
+            return StepResult(launched.step_id, np.zeros(0, dtype=np.int32), error=launched.error)
+        if launched.done is not None:
+            launched.done.synchronize()
+        host = launched.host
+        ids = np.zeros(0, dtype=np.int32) if host is None else np.array(host, dtype=np.int32, copy=True)
+        return StepResult(launched.step_id, ids, forward_time_s=time.perf_counter() - launched.start)
 
     @torch.inference_mode()
-    def _run(self, desc: StepDescriptor) -> np.ndarray:
+    def _run(self, desc: StepDescriptor) -> torch.Tensor:
         st, bs = self.state, self.block_size
         slots, computed, scheduled = desc.slots.astype(np.int64), desc.num_computed, desc.num_scheduled
         num_rows = len(slots)
@@ -200,7 +241,7 @@ class ModelRunner:
         if len(grew):
             st.token_buf[grew_slots_t, grew_pos_t] = sampled[grew_t]
             st.num_known[slots[grew]] += 1
-        return sampled.to(torch.int32).cpu().numpy() if self.rank == 0 else np.zeros(0, dtype=np.int32)
+        return sampled
 
     def _sample(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         st = self.state

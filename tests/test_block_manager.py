@@ -61,7 +61,7 @@ def test_random_workload_keeps_counts_consistent(ops, num_blocks):
             for _ in range(n % 20):
                 if not bm.can_append(s, s.num_tokens + 1):
                     break
-                s.append_token(5)
+                s.token_ids.append(5)
                 bm.may_append(s, s.num_tokens)
                 s.num_computed_tokens = s.num_tokens
                 bm.hash_blocks(s)

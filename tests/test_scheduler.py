@@ -152,3 +152,88 @@ def test_result_for_wrong_step_is_an_error(model_dir):
     dp.execute = lambda desc: StepResult(desc.step_id + 1, np.zeros(1, dtype=np.int32))
     with pytest.raises(RuntimeError, match="answered step"):
         engine.step()
+
+
+class PositionalDataPlane(FakeDataPlane):
+    """'Samples' a token that depends only on the request and the position, so outputs do not depend
+    on how steps were batched or pipelined; can keep steps in flight (submit/collect)."""
+
+    def __init__(self, *a, eos_at_position: dict[int, int] | None = None, **kw):
+        super().__init__(*a, **kw)
+        self.eos_at_position = eos_at_position or {}
+        self.index: dict[int, int] = {}  # request id -> its place in the test, so runs compare
+        self.queue: list[StepResult] = []
+
+    def execute(self, desc: StepDescriptor) -> StepResult:
+        for slot in desc.free_slots.tolist():
+            self.tables.pop(slot, None)
+        for req in desc.new_requests:
+            self.slot_req[req.slot] = req.request_id
+        tokens = []
+        for r, slot in enumerate(desc.slots.tolist()):
+            req, pos = self.index[self.slot_req[slot]], int(desc.num_computed[r] + desc.num_scheduled[r])
+            tokens.append(EOS if self.eos_at_position.get(req) == pos else 1 + (req * 31 + pos * 7) % (VOCAB - 1))
+        self.descriptors.append(desc)
+        return StepResult(desc.step_id, np.asarray(tokens, dtype=np.int32))
+
+    def submit(self, desc: StepDescriptor) -> None:
+        self.queue.append(self.execute(desc))
+
+    def collect(self, step_id: int) -> StepResult:
+        result = self.queue.pop(0)
+        assert result.step_id == step_id
+        return result
+
+
+def run_positional(model_dir, overlap: bool, num_blocks: int, abort_after: int | None = None):
+    dp = PositionalDataPlane(num_blocks, max_num_seqs=4)
+    cfg = EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=40)
+    engine = Engine(cfg, dp, (EOS,), overlap=overlap)
+    assert engine.overlap == overlap
+    seqs = [engine.add_request([(i * 13 + j) % 90 + 5 for j in range(10 + 9 * i)],
+                               SamplingParams(max_tokens=25 + i, ignore_eos=i == 3)) for i in range(6)]
+    dp.index = {s.seq_id: i for i, s in enumerate(seqs)}
+    dp.eos_at_position = {1: 30, 3: 50}  # request 3 ignores EOS
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if abort_after is not None and steps == abort_after:
+            engine.abort(seqs[4].seq_id)
+        assert steps < 2000
+    bm = engine.scheduler.block_manager
+    assert bm.num_used_blocks == 0 and not engine.scheduler.running and not engine.scheduler.waiting
+    return [(s.completion_token_ids, s.finish_reason) for s in seqs], engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("num_blocks", [64, 7])  # 7 blocks force preemption
+def test_a_step_in_flight_gives_the_same_outputs(model_dir, num_blocks):
+    sync, _ = run_positional(model_dir, overlap=False, num_blocks=num_blocks)
+    piped, preemptions = run_positional(model_dir, overlap=True, num_blocks=num_blocks)
+    assert piped == sync
+    assert sync[1][1] is FinishReason.STOP and sync[1][0][-1] == EOS
+    assert sync[3][1] is FinishReason.LENGTH and len(sync[3][0]) == 28  # EOS ignored
+    assert all(len(out) <= 25 + i for i, (out, _) in enumerate(sync))
+    if num_blocks == 7:
+        assert preemptions > 0
+
+
+def test_abort_with_a_step_in_flight(model_dir):
+    outs, _ = run_positional(model_dir, overlap=True, num_blocks=64, abort_after=5)
+    assert outs[4][1] is FinishReason.ABORT
+    assert outs[0][1] is FinishReason.LENGTH and len(outs[0][0]) == 25
+
+
+def test_a_slot_freed_while_idle_is_freed_on_the_data_plane(model_dir):
+    # An abort while nothing else runs frees a slot during a step that sends no descriptor; the
+    # next descriptor must still carry it, or the data plane refuses the slot's next request.
+    engine, dp = make_engine(model_dir)
+    a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=50))
+    engine.step()
+    slot = a.slot
+    engine.abort(a.seq_id)
+    assert not engine.step().rows  # nothing to run
+    b = engine.add_request([4, 5, 6], SamplingParams(max_tokens=2))
+    run(engine)
+    assert b.slot == -1 and b.is_finished
+    assert slot in dp.descriptors[1].free_slots.tolist()
