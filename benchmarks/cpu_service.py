@@ -21,7 +21,8 @@ another process on the same cores, while transformers runs everything in this on
 
 Run it on an otherwise idle machine: with as many torch threads as cores, every op that splits across
 threads (the KV-cache gather, attention) waits for a scheduler time slice (~20 ms) whenever another
-process holds a core, and both sides slow down several-fold. The report prints the load average.
+process holds a core, and both sides slow down several-fold. The report says how much CPU other processes
+(and the hypervisor) took during each side's timed passes.
 """
 
 from __future__ import annotations
@@ -90,6 +91,38 @@ class Run:
         return self.output_tokens / self.wall_s
 
 
+@dataclass(slots=True, frozen=True)
+class CpuShare:
+    others: float  # fraction of all CPUs busy in processes that are not ours
+    steal: float  # fraction of all CPUs the hypervisor gave to other machines
+
+
+class CpuMeter:
+    """Machine-wide CPU time against our own processes' over a window: what the rest took from our cores."""
+
+    def __init__(self, roots: Sequence[int]):
+        import psutil  # the default-model extra's; only this meter needs it
+
+        self.psutil = psutil
+        self.procs = [psutil.Process(pid) for pid in roots]
+        self.procs += [c for p in self.procs for c in p.children(recursive=True)]  # the server's planes
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        cpu = self.psutil.cpu_times()
+        busy = cpu.user + cpu.nice + cpu.system + cpu.irq + cpu.softirq
+        ours = sum(t.user + t.system for t in (p.cpu_times() for p in self.procs))
+        return time.perf_counter(), busy, ours, cpu.steal
+
+    def __enter__(self) -> CpuMeter:
+        self.start = self._sample()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (t0, busy0, ours0, steal0), (t1, busy1, ours1, steal1) = self.start, self._sample()
+        capacity = (t1 - t0) * (os.cpu_count() or 1)
+        self.share = CpuShare(max(0.0, (busy1 - busy0) - (ours1 - ours0)) / capacity, (steal1 - steal0) / capacity)
+
+
 @dataclass(slots=True)
 class Side:
     """Both workloads of one side, `repeats` passes each; figures are medians over the passes."""
@@ -97,6 +130,7 @@ class Side:
     single: list[Run] = field(default_factory=list)
     batch: list[Run] = field(default_factory=list)
     prompt_ids: list[list[int]] = field(default_factory=list)  # what the model saw, for the equality check
+    others: CpuShare | None = None  # CPU taken by everything else during the timed passes
 
     @staticmethod
     def median(runs: Sequence[Run], key: Callable[[Run], float | None]) -> float:
@@ -183,10 +217,12 @@ def run_nanoplane(model: str, questions: Sequence[str], args: argparse.Namespace
             wait_serving(client, server, args.start_timeout, log_path)
             client.generate_text(messages=chat("Hi"), temperature=0.0, max_tokens=4)  # warm-up
             side.prompt_ids = [client.tokenize(messages=chat(q)) for q in questions]
-            for _ in range(args.repeats):
-                side.single.append(nanoplane_single(client, questions[0], args.max_tokens))
-            for _ in range(args.repeats):
-                side.batch.append(nanoplane_batch(client, questions, args.max_tokens))
+            with CpuMeter([os.getpid(), server.pid]) as meter:
+                for _ in range(args.repeats):
+                    side.single.append(nanoplane_single(client, questions[0], args.max_tokens))
+                for _ in range(args.repeats):
+                    side.batch.append(nanoplane_batch(client, questions, args.max_tokens))
+            side.others = meter.share
     finally:
         server.terminate()
         try:
@@ -257,10 +293,12 @@ def run_transformers(model_dir: str, questions: Sequence[str], args: argparse.Na
         return Run(wall, new, ttft_s=s[0] - start if s else None, itl_s=itl)
 
     generate(texts[:1], "transformers warm-up")
-    for _ in range(args.repeats):
-        side.single.append(generate(texts[:1], "transformers 1 stream "))
-    for _ in range(args.repeats):
-        side.batch.append(generate(texts, "transformers 16 rows  "))
+    with CpuMeter([os.getpid()]) as meter:
+        for _ in range(args.repeats):
+            side.single.append(generate(texts[:1], "transformers 1 stream "))
+        for _ in range(args.repeats):
+            side.batch.append(generate(texts, "transformers 16 rows  "))
+    side.others = meter.share
     return side
 
 
@@ -273,7 +311,7 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
                 None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def report(np_side: Side, hf_side: Side, args: argparse.Namespace, load_before: float) -> None:
+def report(np_side: Side, hf_side: Side, args: argparse.Namespace) -> None:
     n = args.max_tokens
     same_prompts = np_side.prompt_ids == hf_side.prompt_ids
     print(f"\nprompt token ids equal on both sides (server's Tokenize vs apply_chat_template + encode): "
@@ -298,9 +336,12 @@ def report(np_side: Side, hf_side: Side, args: argparse.Namespace, load_before: 
         print(f"target {name}: >= {target:.0f} tok/s (2x the issue's transformers): "
               f"{'met' if got >= target else 'NOT met'} ({got:.1f})")
 
-    # Taken before our own processes start: what else was using these cores (see the module docstring).
-    busy = "" if load_before < 0.5 else " -- the machine was busy: figures are low, rerun when it is idle"
-    print(f"1-minute load average before the run: {load_before:.2f} on {os.cpu_count()} CPUs{busy}")
+    # What else ran on these cores while we timed (see the module docstring): a few percent already costs.
+    for name, side in (("nanoplane", np_side), ("transformers", hf_side)):
+        o = side.others
+        warn = " -- not idle: rerun on an idle machine" if o and o.others + o.steal > 0.05 else ""
+        print(f"CPU taken by other processes during the {name} passes: {o.others:.1%} of {os.cpu_count()} CPUs, "
+              f"hypervisor steal {o.steal:.1%}{warn}" if o else f"{name}: CPU share not measured")
     print(f"\nmedians of {args.repeats} passes; {args.threads} torch threads each side; {n} greedy output tokens "
           f"per stream; SmolLM2-135M-Instruct float32 on the CPU\n")
     print("| workload | nanoplane gRPC tok/s | transformers tok/s | ratio |")
@@ -329,14 +370,13 @@ def main() -> None:
     args = p.parse_args()
 
     model = str(default_model_dir())  # convert the default model now, before any clock starts
-    load_before = os.getloadavg()[0]
     np_side = run_nanoplane(model, QUESTIONS, args)
     for run in (*np_side.single, *np_side.batch):
         check_lengths(run, args.max_tokens, "nanoplane")
     hf_side = run_transformers(model, QUESTIONS, args)
     for run in (*hf_side.single, *hf_side.batch):
         check_lengths(run, args.max_tokens, "transformers")
-    report(np_side, hf_side, args, load_before)
+    report(np_side, hf_side, args)
 
 
 if __name__ == "__main__":
