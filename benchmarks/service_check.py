@@ -51,16 +51,7 @@ def served(model: str, tp: int, max_tokens: int) -> tuple[list[list[int]], float
                              "--tensor-parallel-size", str(tp), *FLAGS], cwd=ROOT)
     try:
         client = Client(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if client.health() == "SERVING":
-                    break
-            except Exception:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up")
-            time.sleep(0.5)
+        client.wait_until_serving(300, still_starting=lambda: proc.poll() is None)
         client.generate_text([1, 2, 3], max_tokens=8)  # first use compiles kernels for new shapes
         out, stamps = [], []
         for p in prompts():

@@ -167,15 +167,7 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
     server = subprocess.Popen(argv + (["--enforce-eager"] if args.enforce_eager else []))
     try:
         with Client(f"127.0.0.1:{port}") as client:
-            while True:
-                try:
-                    if client.health() == "SERVING":
-                        break
-                except Exception:
-                    pass
-                if server.poll() is not None:
-                    raise RuntimeError("the server exited")
-                time.sleep(0.5)
+            client.wait_until_serving(600, still_starting=lambda: server.poll() is None)
             client.generate_text([1, 2, 3], max_tokens=4)  # warm-up
         prompts, max_tokens = workload(args.num_seqs)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -209,6 +209,23 @@ class Client:
         """"SERVING" while the server can run requests, "NOT_SERVING" while its data plane is down."""
         response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_until_serving(self, timeout: float, still_starting: Callable[[], bool] | None = None,
+                           poll_s: float = 0.3) -> None:
+        """Block until health says SERVING. TimeoutError after `timeout` s; RuntimeError as soon as
+        `still_starting()` turns false (e.g. the server process died)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if still_starting is not None and not still_starting():
+                raise RuntimeError("the server stopped before it was ready")
+            try:
+                if self.health() == "SERVING":
+                    return
+            except grpc.RpcError:  # not listening yet
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server was not SERVING within {timeout:.0f} s")
+            time.sleep(poll_s)
 
     def close(self) -> None:
         self.channel.close()

@@ -114,7 +114,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The README's first command: start the service, stream one answer through the client, stop."""
     import socket
     import subprocess
-    import time
 
     from clients.client import Client
 
@@ -129,20 +128,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     address = f"127.0.0.1:{port}"
     try:
         with Client(address) as client:
-            deadline = time.monotonic() + args.start_timeout
-            while True:
-                if server.poll() is not None:
-                    print(f"nanoplane: the server exited with {server.returncode}", file=sys.stderr)
-                    return 1
-                try:
-                    if client.health() == "SERVING":
-                        break
-                except Exception:  # not listening yet
-                    pass
-                if time.monotonic() > deadline:
-                    print("nanoplane: the server did not become ready in time", file=sys.stderr)
-                    return 1
-                time.sleep(0.3)
+            try:
+                client.wait_until_serving(args.start_timeout, still_starting=lambda: server.poll() is None)
+            except (RuntimeError, TimeoutError) as e:
+                print(f"nanoplane: {e}", file=sys.stderr)
+                return 1
             print(f"> {args.prompt}", flush=True)
             for chunk in client.generate(messages=[{"role": "user", "content": args.prompt}], temperature=0.0,
                                          max_tokens=args.max_tokens):

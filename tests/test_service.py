@@ -32,16 +32,7 @@ def free_port() -> int:
 
 
 def wait_serving(client: Client, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        try:
-            if client.health() == "SERVING":
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server did not become ready")
+    client.wait_until_serving(timeout, still_starting=lambda: proc.poll() is None)
 
 
 class Server:
