@@ -40,8 +40,13 @@ class TorchBackend:
         block_size = k_cache.shape[1]
         num_blocks = -(-max_ctx // block_size)
         tables = ctx.block_tables[:, :num_blocks].long().clamp(min=0)
-        keys = k_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [B, Hkv, max_ctx, D]
-        values = v_cache[tables].flatten(1, 2)[:, :max_ctx].transpose(1, 2)
+        # index_select, not advanced indexing: same values, and no multi-threaded gather that stalls
+        # a busy small CPU host for a whole scheduling slot.
+        flat = tables.flatten()
+        keys = k_cache.index_select(0, flat).view(*tables.shape, *k_cache.shape[1:])
+        values = v_cache.index_select(0, flat).view(*tables.shape, *v_cache.shape[1:])
+        keys = keys.flatten(1, 2)[:, :max_ctx].transpose(1, 2)  # [B, Hkv, max_ctx, D]
+        values = values.flatten(1, 2)[:, :max_ctx].transpose(1, 2)
         row = torch.repeat_interleave(torch.arange(num_rows, device=q.device), q_lens, output_size=total)
         col = torch.arange(total, device=q.device) - cu[row]
         padded = q.new_zeros(num_rows, max_q, *q.shape[1:])
