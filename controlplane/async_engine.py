@@ -246,7 +246,7 @@ class AsyncEngine:
                 return
 
     def _step(self, deliveries: list) -> bool:
-        """One engine step; returns whether it scheduled anything."""
+        """One engine step; returns whether it made progress (ran rows or has a step in flight)."""
         try:
             out = self.engine.step()
         except Exception as exc:
@@ -260,7 +260,8 @@ class AsyncEngine:
             deliveries.append((stream, _output(stream, seq, [token])))
             if seq.is_finished:
                 del self._stream_of[seq.seq_id], self._seq_of[stream]
-        return bool(out.rows)
+        # With a step in flight the first step of a burst returns no rows yet: that is progress too.
+        return bool(out.rows) or self.engine.inflight is not None
 
     def _try_recover(self) -> None:
         self._next_recover = time.monotonic() + self._recover_interval_s
