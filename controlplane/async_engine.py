@@ -84,14 +84,17 @@ def _output(stream: _Stream, seq: EngineSequence, token_ids: list[int]) -> Outpu
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, recover: Callable[[Engine], Engine | None] | None = None,
+    def __init__(self, engine: Engine | None, recover: Callable[[Engine | None], Engine | None] | None = None,
                  recover_interval_s: float = 1.0):
         """`recover(engine)` runs on the engine thread while the data plane is down. It returns the
         engine to go on with, attached to a working plane: the same one re-synced, or a new Engine
         over the restarted plane (today's way: a new Engine starts at step 0 of the new epoch with
         an empty prefix cache). None or an exception: still down, try again later. It may block:
         meanwhile new requests are refused on the event loop without waiting for it. The old engine
-        is dropped, not closed, because it shares its data-plane client with the new one."""
+        is dropped, not closed, because it shares its data-plane client with the new one.
+
+        `engine` None: no data plane yet; the server answers (health NOT_SERVING) while `recover(None)`
+        attaches the first one."""
         self.engine = engine
         self._recover = recover
         self._recover_interval_s = recover_interval_s
@@ -99,8 +102,8 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple] = []
         self._stopping = False
-        self._ready = True
-        self._unready_reason = ""
+        self._ready = engine is not None
+        self._unready_reason = "" if engine is not None else "waiting for a data plane to attach"
         self._listeners: list[Callable[[bool], None]] = []
         self._streams: dict[str, _Stream] = {}  # event-loop thread only: ids in use
         self._seq_of: dict[_Stream, EngineSequence] = {}  # engine thread only
@@ -198,7 +201,8 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
     # ---- engine thread ---------------------------------------------------------------------------
 
@@ -338,6 +342,8 @@ class AsyncEngine:
                 log.exception("data plane readiness listener failed")
 
     def _snapshot(self) -> EngineStatus:
+        if self.engine is None:
+            return EngineStatus(0, 0, 0, 0, False)
         running, waiting, used, total = self.engine.stats()
         return EngineStatus(running, waiting, total, used, self._ready)
 

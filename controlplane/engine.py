@@ -47,14 +47,15 @@ class StepOutput:
 
 class Engine:
     def __init__(self, config: EngineConfig, data_plane: DataPlaneClient, eos_token_ids: tuple[int, ...],
-                 overlap: bool | None = None):
-        """`overlap`: keep a step in flight (default: whenever the data plane can submit and collect)."""
+                 overlap: bool | None = None, start_timeout: float | None = None):
+        """`overlap`: keep a step in flight (default: whenever the data plane can submit and collect).
+        `start_timeout`: how long to wait for the data plane's ranks (default: the client's own)."""
         self.config = config
         self.data_plane = data_plane
         can_overlap = hasattr(data_plane, "submit") and hasattr(data_plane, "collect")
         self.overlap = can_overlap if overlap is None else overlap and can_overlap
         self.inflight: tuple[SchedulerOutput, int, int] | None = None  # (output, step id, tokens)
-        self.infos = data_plane.start()
+        self.infos = data_plane.start() if start_timeout is None else data_plane.start(start_timeout)
         info = self.infos[0]
         self.num_kv_blocks = min(i.num_kv_blocks for i in self.infos)
         self.vocab_size = info.vocab_size

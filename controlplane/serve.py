@@ -22,21 +22,17 @@ import time
 from pathlib import Path
 
 from controlplane.config import EngineConfig
-from controlplane.engine import Engine
 from controlplane.remote import RemoteDataPlane
 from controlplane.server import build_server
 
 log = logging.getLogger("nanoplane.serve")
 
 
-def reattach(old: Engine) -> Engine:
-    """A new engine over the data plane that connected after a failure (new epoch, step 0, empty cache)."""
-    return Engine(old.config, old.data_plane, tuple(old.scheduler.eos_token_ids))
-
-
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane, address: str,
                  ready: threading.Event | None = None) -> None:
-    server = build_server(config, data_plane, address, recover=reattach)
+    # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
+    # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
+    server = build_server(config, data_plane, address, attach_now=False)
     port = await server.start()
     log.info("gRPC API on %s (port %d), data plane at %s", address, port, data_plane.address)
     print(f"nanoplane: serving {Path(config.model).name} on {address.rsplit(':', 1)[0]}:{port}", flush=True)

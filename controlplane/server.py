@@ -24,7 +24,7 @@ from controlplane.async_engine import AsyncEngine, Output
 from controlplane.config import EngineConfig
 from controlplane.detokenizer import TextStream
 from controlplane.engine import DataPlaneClient, Engine
-from controlplane.errors import ExceptionToStatusInterceptor
+from controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
 from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
 from controlplane.tokenizer import Tokenizer
@@ -140,6 +140,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         engine = self.engine.engine
+        if engine is None:  # the facts come from the data plane's handshake
+            raise DataPlaneUnavailable("no data plane has attached yet; retry later")
         info = engine.infos[0]
         return pb.ModelInfo(model=self.model_name, architecture=info.architecture,
                             max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
@@ -214,13 +216,21 @@ class GenerationServer:
 
 
 def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str = "127.0.0.1:0",
-                 model_name: str | None = None, recover: Callable[[Engine], Engine | None] | None = None,
-                 recover_interval_s: float = 1.0) -> GenerationServer:
-    """Tokenizer + Engine (starts the data plane: slow) + AsyncEngine + server, not yet started.
+                 model_name: str | None = None, recover: Callable[[Engine | None], Engine | None] | None = None,
+                 recover_interval_s: float = 1.0, attach_now: bool = True,
+                 attach_timeout_s: float = 2.0) -> GenerationServer:
+    """Tokenizer + AsyncEngine + server, not yet started.
 
-    `recover`: see AsyncEngine; how the engine re-attaches to a data plane after a failure.
+    attach_now: build the Engine here, which waits for the data plane (slow); otherwise the server
+    starts at once, answers NOT_SERVING, and the engine thread attaches the data plane when it comes.
+    recover: see AsyncEngine; by default a new Engine over the same data-plane client, each attempt
+    waiting at most attach_timeout_s for ranks to report ready.
     """
     tokenizer = Tokenizer(config.model)
-    engine = Engine(config, data_plane, tokenizer.eos_token_ids)
-    return GenerationServer(AsyncEngine(engine, recover, recover_interval_s), tokenizer,
+
+    def attach(old: Engine | None) -> Engine:
+        return Engine(config, data_plane, tokenizer.eos_token_ids, start_timeout=attach_timeout_s)
+
+    engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
+    return GenerationServer(AsyncEngine(engine, recover or attach, recover_interval_s), tokenizer,
                             model_name or Path(config.model).name, address)

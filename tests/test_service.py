@@ -121,3 +121,45 @@ def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, em
         assert got == embedded_tokens[0]
     finally:
         server.close()
+
+
+def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded_tokens, tmp_path):
+    """The planes apart: the API is up at once, NOT_SERVING and UNAVAILABLE until ranks attach."""
+    model, port, bind = tiny_models["qwen3"], free_port(), f"ipc://{tmp_path}/plane.sock"
+    control = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "controlplane", "--model", str(model),
+                                "--host", "127.0.0.1", "--port", str(port), "--bind", bind,
+                                "--max-num-batched-tokens", "64"], cwd=ROOT)
+    data = None
+    client = Client(f"127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the port opens without any data plane
+            try:
+                status = client.health()
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline and control.poll() is None
+                time.sleep(0.2)
+        assert status == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompts()[0], max_tokens=4))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "data plane" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            client.model_info()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not client.server_status().data_plane_ready
+        data = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "dataplane", "--model", str(model),
+                                 "--control", bind, "--device", "cpu", "--max-num-batched-tokens", "64"], cwd=ROOT)
+        wait_serving(client, control)
+        got = [t for chunk in client.generate(prompts()[0], temperature=0.0, max_tokens=16, ignore_eos=True)
+               for t in chunk.token_ids]
+        assert got == embedded_tokens[0]
+    finally:
+        client.close()
+        for proc in (control, data):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
