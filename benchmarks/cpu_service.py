@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from clients.client import Client  # noqa: E402  (after the path: the script runs from anywhere)
+from controlplane.cli import serve_in_background  # noqa: E402
 from models.default_model import default_model_dir  # noqa: E402
 
 # Short, different questions, so the 16 streams share only the chat template's prefix (as real users do).
@@ -139,12 +139,6 @@ class Side:
         return statistics.median(v for r in runs if (v := key(r)) is not None)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_lengths(run: Run, max_tokens: int, who: str) -> None:
     # ignore_eos (and no EOS stop in transformers) must make every stream exactly max_tokens long, or tok/s compares
     # different amounts of work.
@@ -155,30 +149,6 @@ def check_lengths(run: Run, max_tokens: int, who: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # nanoplane through gRPC
-
-
-def start_server(model: str, port: int, threads: int, log_path: Path) -> subprocess.Popen:
-    """`nanoplane serve --device cpu` as cmd_demo starts it; its logs go to a file so tqdm stays readable."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", model, "--device", "cpu",
-            "--port", str(port)]
-    with open(log_path, "wb") as log:  # the child holds its own descriptor; ours can close
-        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_serving(client: Client, server: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}; its log: {log_path}")
-        try:
-            if client.health() == "SERVING":
-                return
-        except Exception:  # not listening yet
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not become ready in {timeout_s:.0f} s; its log: {log_path}")
-        time.sleep(0.3)
 
 
 def nanoplane_single(client: Client, question: str, max_tokens: int) -> Run:
@@ -214,28 +184,25 @@ def nanoplane_batch(client: Client, questions: Sequence[str], max_tokens: int) -
 def run_nanoplane(model: str, questions: Sequence[str], args: argparse.Namespace) -> Side:
     side = Side()
     log_path = Path(tempfile.mkdtemp(prefix="nanoplane-cpu-bench-")) / "serve.log"
-    port = free_port()
-    print(f"starting nanoplane serve --device cpu on port {port} (OMP_NUM_THREADS={args.threads}; log {log_path})",
-          flush=True)
-    server = start_server(model, port, args.threads, log_path)
+    print(f"starting nanoplane serve --device cpu (OMP_NUM_THREADS={args.threads}; log {log_path})", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    flags = ["--model", model, "--device", "cpu"]
     try:
-        with Client(f"127.0.0.1:{port}") as client:
-            wait_serving(client, server, args.start_timeout, log_path)
+        # Its logs go to a file so tqdm stays readable.
+        with (open(log_path, "wb") as log,
+              serve_in_background(flags, args.start_timeout, cwd=ROOT, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT) as (address, proc),
+              Client(address) as client):
             client.generate_text(messages=chat("Hi"), temperature=0.0, max_tokens=4)  # warm-up
             side.prompt_ids = [client.tokenize(messages=chat(q)) for q in questions]
-            with CpuMeter([os.getpid(), server.pid]) as meter:
+            with CpuMeter([os.getpid(), proc.pid]) as meter:
                 for _ in range(args.repeats):
                     side.single.append(nanoplane_single(client, questions[0], args.max_tokens))
                 for _ in range(args.repeats):
                     side.batch.append(nanoplane_batch(client, questions, args.max_tokens))
             side.others = meter.share
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    except (RuntimeError, TimeoutError) as e:
+        raise RuntimeError(f"{e}; the server's log: {log_path}") from None
     return side
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,17 +39,12 @@ def embedded(model: str, tp: int, max_tokens: int) -> list[list[int]]:
         llm.close()
 
 
-def served(model: str, tp: int, max_tokens: int) -> tuple[list[list[int]], float]:
+def served(model: str, tp: int, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     from clients.client import Client
+    from controlplane.cli import serve_in_background
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--model", model, "--port", str(port),
-                             "--tensor-parallel-size", str(tp), *FLAGS], cwd=ROOT)
-    try:
-        client = Client(f"127.0.0.1:{port}")
-        client.wait_until_serving(300, still_starting=lambda: proc.poll() is None)
+    with serve_in_background(["--model", model, "--tensor-parallel-size", str(tp), *FLAGS], 300,
+                             cwd=ROOT) as (address, _), Client(address) as client:
         client.generate_text([1, 2, 3], max_tokens=8)  # first use compiles kernels for new shapes
         out, stamps = [], []
         for p in prompts():
@@ -61,11 +54,7 @@ def served(model: str, tp: int, max_tokens: int) -> tuple[list[list[int]], float
                 times.append(time.perf_counter() - t)
             out.append(tokens)
             stamps.append(times)
-        client.close()
         return out, stamps
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def main() -> None:

@@ -151,28 +151,21 @@ def main() -> None:
 def run_service(path: Path, args: argparse.Namespace) -> None:
     """The same workload through `nanoplane serve`: one client process drives all 256 streams."""
     import asyncio
-    import socket
-    import subprocess
 
     import psutil
     from tqdm.auto import tqdm
 
     from clients.client import AsyncClient, Client
+    from controlplane.cli import serve_in_background
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", str(path), "--port", str(port),
-            "--max-model-len", "4096", "--attention-backend", args.attention_backend]
-    server = subprocess.Popen(argv + (["--enforce-eager"] if args.enforce_eager else []))
-    try:
-        with Client(f"127.0.0.1:{port}") as client:
-            client.wait_until_serving(600, still_starting=lambda: server.poll() is None)
+    flags = ["--model", str(path), "--max-model-len", "4096", "--attention-backend", args.attention_backend]
+    with serve_in_background(flags + (["--enforce-eager"] if args.enforce_eager else []), 600) as (address, server):
+        with Client(address) as client:
             client.generate_text([1, 2, 3], max_tokens=4)  # warm-up
         prompts, max_tokens = workload(args.num_seqs)
 
         async def drive() -> tuple[int, float]:
-            client = AsyncClient(f"127.0.0.1:{port}")
+            client = AsyncClient(address)
             bar = tqdm(total=len(prompts), desc="Streams", dynamic_ncols=True)
             counts = []
 
@@ -196,10 +189,6 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
         print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | RSS GiB per process (serve first) |")
         print(f"| service | {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {FLOOR_TOK_S:,} | "
               f"{total / elapsed / FLOOR_TOK_S:.1%} | {', '.join(f'{v:.1f}' for v in rss.values())} |")
-    finally:
-        server.terminate()
-        server.wait(60)
-
 
 if __name__ == "__main__":
     main()

@@ -15,8 +15,10 @@ them, so `nanoplane controlplane` never loads torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 DEFAULT_PORT = 50051
 
@@ -110,40 +112,66 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}")
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The README's first command: start the service, stream one answer through the client, stop."""
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
     import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc, grace_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it is still there after grace_s."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def serve_in_background(serve_args: list[str], start_timeout: float = 600.0, **popen) -> Iterator[tuple[str, object]]:
+    """`nanoplane serve SERVE_ARGS` on a free loopback port; yields (address, process) once health says
+    SERVING and stops the process on exit. The demo, the benchmarks and the tests start the service
+    this way. RuntimeError if the server exits first, TimeoutError if it is not ready in time."""
     import subprocess
 
     from clients.client import Client
 
-    model = resolve_model(args.model)  # convert the default model here, before the server's clock starts
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", model, "--port", str(port)]
-    argv += [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items() if not isinstance(v, bool)]
-    argv += ["--enforce-eager"] if args.enforce_eager else []
-    server = subprocess.Popen(argv)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--port", str(port), *serve_args],
+                            **popen)
     address = f"127.0.0.1:{port}"
     try:
         with Client(address) as client:
-            try:
-                client.wait_until_serving(args.start_timeout, still_starting=lambda: server.poll() is None)
-            except (RuntimeError, TimeoutError) as e:
-                print(f"nanoplane: {e}", file=sys.stderr)
-                return 1
+            client.wait_until_serving(start_timeout, still_starting=lambda: proc.poll() is None)
+        yield address, proc
+    finally:
+        stop_process(proc)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's first command: start the service, stream one answer through the client, stop."""
+    from clients.client import Client
+
+    model = resolve_model(args.model)  # convert the default model here, before the server's clock starts
+    flags = ["--model", model]
+    flags += [f"--{k.replace('_', '-')}={v}" for k, v in engine_kwargs(args).items() if not isinstance(v, bool)]
+    flags += ["--enforce-eager"] if args.enforce_eager else []
+    try:
+        with serve_in_background(flags, args.start_timeout) as (address, _), Client(address) as client:
             print(f"> {args.prompt}", flush=True)
             for chunk in client.generate(messages=[{"role": "user", "content": args.prompt}], temperature=0.0,
                                          max_tokens=args.max_tokens):
                 print(chunk.text, end="", flush=True)
             print()
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    except (RuntimeError, TimeoutError) as e:
+        print(f"nanoplane: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

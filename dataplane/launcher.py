@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default!r}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -73,7 +73,7 @@ def launch(args: argparse.Namespace) -> int:
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataPlaneConfig) if f.name not in _NOT_FLAGS}
     fields.update(model=args.model, world_size=args.world_size)
     if args.world_size > 1 and not fields["dist_init"]:
-        fields["dist_init"] = f"tcp://127.0.0.1:{_free_port()}"
+        fields["dist_init"] = f"tcp://127.0.0.1:{free_port()}"
     opts = WorkerOptions(args.control, secrets.randbits(63), args.heartbeat_interval, args.control_timeout,
                          parent_pid=os.getpid())
     ctx = mp.get_context("spawn")

@@ -6,18 +6,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing as mp
-import socket
 from collections import deque
 
 from dataplane.config import DataPlaneConfig
+from dataplane.launcher import free_port
 from dataplane.model_runner import ModelRunner
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_rank(cfg: DataPlaneConfig, conn) -> None:

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ import pytest
 import yaml  # PyYAML and packaging: dependencies of transformers
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from controlplane.cli import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -522,12 +523,6 @@ def _image_like_path(tmp: Path) -> str:
     return os.pathsep.join([str(src), str(site)])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen) -> str:
     """Its output after SIGTERM (SIGKILL after 30 s)."""
     if proc.poll() is None:
@@ -563,7 +558,7 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
                          text=True, timeout=300)
     assert out.returncode == 0, f"the control-plane image cannot run its commands:\n{out.stderr[-3000:]}"
 
-    port, zmq_port = _free_port(), _free_port()
+    port, zmq_port = free_port(), free_port()
     cp_argv = effective_argv("controlplane", service("controlplane"))
     dp_argv = effective_argv("dataplane", service("dataplane"))
     cp_env = {**image, **environment(service("controlplane")), "NANOPLANE_MODEL": model,

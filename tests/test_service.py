@@ -7,8 +7,8 @@ the data plane and new requests succeed.
 
 from __future__ import annotations
 
+import contextlib
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -21,14 +21,9 @@ import pytest
 
 from clients.client import Client
 from controlplane import LLM, SamplingParams
+from controlplane.cli import free_port, serve_in_background, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_serving(client: Client, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -37,12 +32,11 @@ def wait_serving(client: Client, proc: subprocess.Popen, timeout: float = 120.0)
 
 class Server:
     def __init__(self, model: Path, tp: int):
-        self.port = free_port()
-        argv = [sys.executable, "-m", "controlplane.cli", "serve", "--model", str(model), "--device", "cpu",
-                "--port", str(self.port), "--tensor-parallel-size", str(tp), "--max-num-batched-tokens", "64"]
-        self.proc = subprocess.Popen(argv, cwd=ROOT)
-        self.client = Client(f"127.0.0.1:{self.port}")
-        wait_serving(self.client, self.proc)
+        self._stack = contextlib.ExitStack()
+        flags = ["--model", str(model), "--device", "cpu", "--tensor-parallel-size", str(tp),
+                 "--max-num-batched-tokens", "64"]
+        address, self.proc = self._stack.enter_context(serve_in_background(flags, 120, cwd=ROOT))
+        self.client = self._stack.enter_context(Client(address))
 
     def ranks(self) -> list[psutil.Process]:
         """The rank processes: children of the data-plane launcher that serve supervises."""
@@ -51,12 +45,7 @@ class Server:
         return [r for launcher in launchers for r in launcher.children()]
 
     def close(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self._stack.close()
 
 
 PROMPTS_SEED = 4
@@ -158,8 +147,4 @@ def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded
         client.close()
         for proc in (control, data):
             if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_process(proc)
