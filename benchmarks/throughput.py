@@ -70,18 +70,31 @@ def instrument(llm) -> dict[str, list[float]]:
     import torch
 
     activity = torch.profiler.ProfilerActivity
-    prof = torch.profiler.profile(activities=[activity.CPU, activity.CUDA])
+    # Three windows: prefill (steps 2-3), decode at a full batch (300-309), and the small-batch tail
+    # (the first ten steps with at most 8 rows).
+    windows = {"prefill": (2, 4), "decode, full batch": (300, 310)}
+    state: dict = {"prof": None, "name": "", "end": -1}
 
     def step_with_rows():
         n = len(timings["step"])
-        if n == 300:  # well into the decode phase, with a full batch
-            prof.start()
+        rows = timings["rows"][-1] if timings["rows"] else 0
+        if state["prof"] is None and "tail" not in windows and 0 < rows <= 8:
+            windows["tail"] = (n, n + 10)
+        for name, (lo, hi) in windows.items():
+            if n == lo and state["prof"] is None:
+                state.update(prof=torch.profiler.profile(activities=[activity.CPU, activity.CUDA]), name=name, end=hi)
+                state["prof"].start()
         out = timed("step", step)()
         timings["rows"].append(len(out.rows))
-        if n == 309:
+        if state["prof"] is not None and n + 1 == state["end"]:
+            prof, state["prof"] = state["prof"], None
+            torch.cuda.synchronize()
             prof.stop()
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+            lo, hi = windows[state["name"]]
+            events = prof.key_averages()
+            gpu_us = sum(e.self_device_time_total for e in events)
+            print(f"\n== {state['name']}: steps {lo}-{hi - 1}, GPU busy {gpu_us / (hi - lo) / 1e3:.2f} ms/step ==")
+            print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
         return out
 
     engine.step = step_with_rows

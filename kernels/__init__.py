@@ -12,13 +12,17 @@ __all__ = [
     "apply_rotary",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "qkv_prologue",
     "rms_norm",
+    "silu_and_mul",
     "store_kvcache",
 ]
 
 if importlib.util.find_spec("triton") is not None:
+    from kernels.activation import silu_and_mul
     from kernels.decode_attention import paged_decode_attention
     from kernels.prefill_attention import paged_prefill_attention
+    from kernels.qkv_prologue import qkv_prologue
     from kernels.rmsnorm import rms_norm
     from kernels.rotary import apply_rotary
     from kernels.store_kvcache import store_kvcache

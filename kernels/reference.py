@@ -124,3 +124,36 @@ def apply_rotary_ref(
         return torch.cat((y, rest), dim=-1)
 
     return rotate(q), rotate(k)
+
+
+def qkv_prologue_ref(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """The unfused chain the fused prologue replaces: split the QKV output into heads, per-head
+    RMSNorm of q and k (when weights are given), rotary, then the cache store. Returns a new q."""
+    head_dim = k_cache.shape[-1]
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(-1, num_q_heads, head_dim)
+    k = k.reshape(-1, num_kv_heads, head_dim)
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    q, k = apply_rotary_ref(q, k, positions, cos_sin_cache)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as torch computes it in x's dtype (silu rounded, then the product)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

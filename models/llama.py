@@ -12,6 +12,7 @@ from torch import nn
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention
 from models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from models.layers.fused import fused_kernels_enabled
 from models.layers.layernorm import RMSNorm
 from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.layers.rotary import RotaryEmbedding
@@ -36,8 +37,13 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        if fused_kernels_enabled():
+            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+            out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *norm)
+            return self.o_proj(out.flatten(1))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -22,7 +22,8 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 380) -> list[list
 @pytest.mark.parametrize("name,backend", [(name, "torch") for name in TINY] + [("qwen3", "triton"),
                                                                                ("llama-mqa", "triton")])
 def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, backend):
-    """backend "triton" runs our kernels (attention, fused RMSNorm, rotary) in Triton's interpreter."""
+    """backend "triton" runs our kernels (attention, fused RMSNorm, the fused QKV prologue and SiLU) in Triton's
+    interpreter."""
     path = tiny_models[name]
     prompts = random_prompts(LENGTHS, seed=len(name))
     llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend)

@@ -25,7 +25,9 @@ from kernels import (  # noqa: E402
     apply_rotary,
     paged_decode_attention,
     paged_prefill_attention,
+    qkv_prologue,
     rms_norm,
+    silu_and_mul,
     store_kvcache,
 )
 from kernels import reference as ref  # noqa: E402
@@ -197,6 +199,63 @@ def test_rotary(dtype, hq, hkv, d, rot_dim):
     assert torch.equal(q[..., rot_dim:], before[:, :hq, rot_dim:])  # pass-through dims
 
 
+def rope_cache(d: int, max_pos: int = 4096) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    freqs = torch.outer(torch.arange(max_pos, device=DEV).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def check_qkv_prologue(t, hq, hkv, d, dtype, with_norm, page=16, tol=None):
+    cos_sin = rope_cache(d)
+    width = (hq + 2 * hkv) * d
+    qkv = torch.randn(t, width + 8, device=DEV).to(dtype)[:, :width]  # row-strided, as a GEMM slice may be
+    weights = [(1 + 0.1 * torch.randn(d, device=DEV)).to(dtype) for _ in range(2)] if with_norm else [None, None]
+    positions = torch.randint(0, cos_sin.shape[0], (t,), device=DEV)
+    num_blocks = -(-t // page) + 2
+    slots = torch.randperm(num_blocks * page, device=DEV)[:t]
+    slots[t // 2] = -1  # a CUDA-graph padding row: writes nothing
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    v_cache = k_cache.clone()
+    exp_k, exp_v = k_cache.clone(), v_cache.clone()
+    args = (positions, cos_sin, *weights, 1e-6, slots)
+    expected_q = ref.qkv_prologue_ref(qkv.clone(), *args, exp_k, exp_v, hq, hkv)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    q = qkv_prologue(qkv, *args, k_cache, v_cache, hq, hkv)
+    assert q.shape == (t, hq, d) and q.data_ptr() == qkv.data_ptr()  # q rewritten in place
+    if tol is None:
+        tol = TOL[dtype] if dtype == torch.bfloat16 and not ROUNDS_BF16 else TOL[dtype] / 4
+    assert rel_err(q, expected_q) < tol
+    kept = slots[slots >= 0]
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    assert rel_err(flat_k[kept], exp_k.view(-1, hkv, d)[kept]) < tol
+    assert torch.equal(flat_v[kept], exp_v.view(-1, hkv, d)[kept])  # V is copied, not transformed
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEV)
+    untouched[kept] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # V read, never written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 128), (2, 1, 80)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_qkv_prologue(dtype, hq, hkv, d, with_norm):
+    check_qkv_prologue(11, hq, hkv, d, dtype, with_norm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("intermediate", [64, 100, 1500])
+def test_silu_and_mul(dtype, intermediate):
+    t = 5
+    x = (2 * torch.randn(t, 2 * intermediate + 6, device=DEV)).to(dtype)[:, : 2 * intermediate]
+    out = silu_and_mul(x)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert rel_err(out, torch.nn.functional.silu(gate) * up) < TOL[dtype]  # the fp32 value
+    same_dtype = ref.silu_and_mul_ref(x)  # torch's own rounding in x's dtype
+    if dtype == torch.float16 or (dtype == torch.bfloat16 and ROUNDS_BF16):
+        # The same two roundings as torch: only an exp that differs in its last fp32 bit can flip one.
+        assert (out != same_dtype).float().mean().item() < 0.02
+
+
 # ---- real shapes, GPU only ------------------------------------------------------------------
 
 
@@ -248,3 +307,12 @@ def test_norm_rotary_store_gpu():
     slots = torch.randperm(k_cache.shape[0] * 16, device=DEV)[:t]
     store_kvcache(k, k, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(-1, hkv, d)[slots], k)
+
+
+@gpu
+@pytest.mark.gpu
+def test_qkv_prologue_and_silu_gpu():
+    check_qkv_prologue(4096, 16, 8, 128, torch.bfloat16, True, page=256, tol=4e-3)
+    x = torch.randn(4096, 2 * 3072, device=DEV, dtype=torch.bfloat16)
+    out = silu_and_mul(x)
+    assert torch.equal(out, ref.silu_and_mul_ref(x)) or (out != ref.silu_and_mul_ref(x)).float().mean() < 0.001

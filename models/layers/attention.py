@@ -21,3 +21,14 @@ class Attention(nn.Module):
         ctx, backend = get_context(), get_backend()
         backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         return backend.attend(q, self.k_cache, self.v_cache, ctx, self.scale)
+
+    def forward_packed(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """The fused path from the QKV projection's output [T, (Hq + 2 Hkv) * D]: q/k norm (when
+        weights are given), rotary and the cache store in one kernel, then attention -> [T, Hq, D]."""
+        import kernels
+
+        ctx = get_context()
+        q = kernels.qkv_prologue(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, ctx.slot_mapping,
+                                 self.k_cache, self.v_cache, self.num_heads, self.num_kv_heads)
+        return get_backend().attend(q, self.k_cache, self.v_cache, ctx, self.scale)
