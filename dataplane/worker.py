@@ -9,6 +9,9 @@ other: it loads the model, reports READY with its PlaneInfo, then executes each 
 answers every step; other ranks execute the same descriptor and answer only a fatal error, since a
 refusal (wrong epoch or step id) is the same on every rank and rank 0 already reports it.
 
+A step stays in flight, as in the embedded engine: the control plane sends step N+1 before it needs
+step N's result, so a rank launches N+1 while N's GPU work runs and only then waits for N.
+
 Exit codes: 0 when the control plane stopped the data plane on purpose, EXIT_RESTART when it went
 away or dropped this data plane (a supervisor restarts the launcher, which re-attaches with empty
 state), anything else for a failure.
@@ -23,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,39 +151,81 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _L
     data.send_multipart(codec.encode_control(codec.Ready(opts.launch_id, info)))
     log.info("rank %d ready: epoch %d, %d KV blocks on %s", cfg.rank, epoch, runner.num_kv_blocks, runner.device)
     try:
-        while not live.exit_requested.is_set():
-            try:
-                msg = codec.decode(data.recv_multipart(copy=False))
-            except zmq.Again:
-                continue
-            except codec.ProtocolError as e:
-                log.warning("rank %d ignored a malformed message: %s", cfg.rank, e)
-                continue
-            if isinstance(msg, StepDescriptor):
-                _step(runner, msg, epoch, data, cfg.rank)
-            elif isinstance(msg, codec.Shutdown):
-                live.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
+        _StepLoop(runner, data, epoch, cfg.rank).run(live)
     finally:
         data.close()
     runner.close()
     return live.exit_code
 
 
-def _step(runner, desc: StepDescriptor, epoch: int, data: zmq.Socket, rank: int) -> None:
-    if desc.epoch != epoch:
-        result = StepResult(desc.step_id, np.zeros(0, np.int32),
-                            error=f"rank {rank} refused: descriptor of epoch {desc.epoch}, this data plane "
-                                  f"serves epoch {epoch}")
-    else:
+class _StepLoop:
+    """Obeys descriptors in order and keeps one step in flight.
+
+    `steps` holds what is not answered yet, oldest first: a runner's Launched, or the StepResult of a
+    descriptor refused before launch. At most two: the runner copies results into a ring of two
+    pinned buffers, and the control plane never sends N+2 before it has N's result anyway.
+    """
+
+    def __init__(self, runner, data: zmq.Socket, epoch: int, rank: int):
+        self.runner, self.data, self.epoch, self.rank = runner, data, epoch, rank
+        self.steps: deque = deque()
+
+    def run(self, live: _Liveness) -> None:
+        while not live.exit_requested.is_set():
+            # A finished result goes out first (sending costs microseconds, a launch far more); with
+            # two steps launched, block on the older one.
+            if self.steps and (len(self.steps) == 2 or self.oldest_done()):
+                self.finish()
+                continue
+            # While a step runs, spin between the socket and its event: a blocking wait for either
+            # would hold back the other (Event.synchronize, which this replaces, spins too).
+            try:
+                frames = self.data.recv_multipart(zmq.NOBLOCK if self.steps else 0, copy=False)
+                msg = codec.decode(frames)
+            except zmq.Again:
+                continue
+            except codec.ProtocolError as e:
+                log.warning("rank %d ignored a malformed message: %s", self.rank, e)
+                continue
+            if isinstance(msg, StepDescriptor):
+                self.launch(msg)
+            elif isinstance(msg, codec.Shutdown):
+                live.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
+
+    def launch(self, desc: StepDescriptor) -> None:
+        if desc.epoch != self.epoch:
+            self.steps.append(StepResult(desc.step_id, np.zeros(0, np.int32),
+                                         error=f"rank {self.rank} refused: descriptor of epoch {desc.epoch}, "
+                                               f"this data plane serves epoch {self.epoch}"))
+            return
+        with self.fatal(desc.step_id):
+            self.steps.append(self.runner.launch(desc))
+
+    def oldest_done(self) -> bool:
+        step = self.steps[0]
+        if isinstance(step, StepResult) or step.done is None:  # a refusal, a CPU step, or no result (rank > 0)
+            return True
+        with self.fatal(step.step_id):
+            return step.done.query()
+
+    def finish(self) -> None:
+        """Wait for the oldest step and answer it."""
+        step = self.steps.popleft()
+        if not isinstance(step, StepResult):
+            with self.fatal(step.step_id):
+                step = self.runner.wait(step)
+        if self.rank == 0:
+            self.data.send_multipart(codec.encode_result(step, self.epoch, self.rank), copy=False)
+        elif step.error:
+            log.warning("%s", step.error)
+
+    @contextlib.contextmanager
+    def fatal(self, step_id: int):
         try:
-            result = runner.execute(desc)
+            yield
         except Exception as e:
             # The rank's state is unknown now: tell the control plane (any rank may), then die so
             # the launcher takes the whole data plane down for a clean restart.
-            error = StepResult(desc.step_id, np.zeros(0, np.int32), error=f"rank {rank} failed: {e!r}")
-            data.send_multipart(codec.encode_result(error, epoch, rank, fatal=True), copy=False)
+            error = StepResult(step_id, np.zeros(0, np.int32), error=f"rank {self.rank} failed: {e!r}")
+            self.data.send_multipart(codec.encode_result(error, self.epoch, self.rank, fatal=True), copy=False)
             raise
-    if rank == 0:
-        data.send_multipart(codec.encode_result(result, epoch, rank), copy=False)
-    elif result.error:
-        log.warning("%s", result.error)
