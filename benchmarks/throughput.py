@@ -2,11 +2,13 @@
 
 256 requests, random.seed(0), prompt lengths randint(100, 1024) of ids randint(0, 10000), then
 max_tokens randint(100, 1024) per request, temperature 0.6, ignore_eos — on random bf16 weights of the
-Qwen3-0.6B architecture (generated once into --model-dir). Prints output tokens/s beside the card's
-floor (design.md: ~36,400 tok/s on one H200 for this workload).
+Qwen3-0.6B architecture (generated once into --model-dir), or Qwen3-8B's for the tensor-parallel run.
+Prints output tokens/s beside the card's floor (design.md: ~36,400 tok/s on one H200 for 0.6B;
+~18,700-22,800 on two H200s for 8B at TP=2, all-reduce included).
 
-    python benchmarks/throughput.py [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager]
+    python benchmarks/throughput.py [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager] [--profile]
     python benchmarks/throughput.py --mode service   # nanoplane serve + one gRPC client process, 256 streams
+    python benchmarks/throughput.py --shape 8b --tensor-parallel-size 2   # two GPUs
 """
 
 from __future__ import annotations
@@ -24,11 +26,21 @@ QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_s
                  intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
                  rope_theta=1000000.0, hidden_act="silu", torch_dtype="bfloat16", eos_token_id=0)
-FLOOR_TOK_S = 36_400  # design.md: bytes this workload must move, over the H200's 4.24 TB/s
+QWEN3_8B = dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                tie_word_embeddings=False)
+SHAPES = {"0.6b": QWEN3_06B, "8b": QWEN3_8B}
+# design.md: the bytes this workload must move over the H200's 4.24 TB/s; for 8B on two cards the
+# upper end of the range (the lower one charges the all-reduces too), so the ratio is not flattered.
+FLOORS = {("0.6b", 1): 36_400, ("8b", 2): 22_800}
 
 
-def make_random_model(path: Path) -> None:
-    """Random weights in the Qwen3-0.6B shapes; a tokenizer from the tests' generator."""
+def floor_cells(shape: str, tp: int, tok_s: float) -> str:
+    floor = FLOORS.get((shape, tp))
+    return f"{floor:,} | {tok_s / floor:.1%}" if floor else "n/a | n/a"
+
+
+def make_random_model(path: Path, shape: str = "0.6b") -> None:
+    """Random bf16 weights in Qwen3-0.6B's (or -8B's) shapes; a tokenizer from the tests' generator."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -38,12 +50,20 @@ def make_random_model(path: Path) -> None:
 
     path.mkdir(parents=True, exist_ok=True)
     make_tokenizer(path)
+    config = SHAPES[shape]
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in QWEN3_06B.items() if k != "architectures"}))
-    state = {k: v.to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # 8B in fp32 would be 32 GB for nothing
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in config.items() if k != "architectures"}))
+    finally:
+        torch.set_default_dtype(default_dtype)
+    tied = config["tie_word_embeddings"]
+    state = {k: v.contiguous().cpu() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    del model
     save_file(state, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(QWEN3_06B))
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -54,10 +74,14 @@ def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
 
 
 def instrument(llm) -> dict[str, list[float]]:
-    """Wrap the engine step and the data plane so that each step's time splits into host and device."""
+    """Wrap the engine step and the data plane so that each step's time splits into host and device.
+
+    With a step in flight, `launch` is the data plane's host work for a step (apply the descriptor,
+    prepare and queue the GPU work) and `wait` the time the host then blocks on the previous step's
+    GPU work: a wait near zero means the host, not the GPU, sets the pace."""
     engine, runner = llm.engine, llm.engine.data_plane.runner
-    timings: dict[str, list[float]] = {"step": [], "execute": [], "run": [], "rows": []}
-    step, execute, run = engine.step, engine.data_plane.execute, runner._run
+    timings: dict[str, list[float]] = {"step": [], "launch": [], "wait": [], "rows": []}
+    step, launch, wait = engine.step, runner.launch, runner.wait
 
     def timed(name, fn):
         def wrapper(*a, **kw):
@@ -92,50 +116,58 @@ def instrument(llm) -> dict[str, list[float]]:
             prof.stop()
             lo, hi = windows[state["name"]]
             events = prof.key_averages()
-            gpu_us = sum(e.self_device_time_total for e in events)
+            # Kernels only: an aten op's row repeats the time of the kernels it launched.
+            gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
             print(f"\n== {state['name']}: steps {lo}-{hi - 1}, GPU busy {gpu_us / (hi - lo) / 1e3:.2f} ms/step ==")
             print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
         return out
 
     engine.step = step_with_rows
-    engine.data_plane.execute = timed("execute", execute)
-    runner._run = timed("run", run)
+    runner.launch = timed("launch", launch)
+    runner.wait = timed("wait", wait)
     return timings
 
 
 def report(t: dict[str, list[float]], elapsed: float) -> None:
-    step, execute, run = sum(t["step"]), sum(t["execute"]), sum(t["run"])
+    step, launch, wait = sum(t["step"]), sum(t["launch"]), sum(t["wait"])
     n = len(t["step"])
-    print(f"steps {n}: total {elapsed:.2f} s; engine.step {step:.2f} s; control plane outside execute "
-          f"{step - execute:.2f} s ({(step - execute) / n * 1e3:.2f} ms/step); data plane apply "
-          f"{execute - run:.2f} s; data plane run (prep + forward + sample + sync) {run:.2f} s "
-          f"({run / n * 1e3:.2f} ms/step)")
+    print(f"steps {n}: total {elapsed:.2f} s; engine.step {step:.2f} s ({step / n * 1e3:.2f} ms/step); data plane "
+          f"launch (host prep + queue) {launch / n * 1e3:.2f} ms/step; host blocked on the GPU {wait / n * 1e3:.2f} "
+          f"ms/step; control plane {(step - launch - wait) / n * 1e3:.2f} ms/step")
     for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256)):
-        rows = [(s, r) for s, r in zip(t["run"], t["rows"], strict=False) if lo <= r <= hi]
+        rows = [i for i, r in enumerate(t["rows"]) if lo <= r <= hi]
         if rows:
-            mean_ms = sum(s for s, _ in rows) / len(rows) * 1e3
-            print(f"  batch {lo:>3}-{hi:<3}: {len(rows):>5} steps, run {mean_ms:.2f} ms/step")
+            step_ms, launch_ms, wait_ms = (_mean_ms(t[key], rows) for key in ("step", "launch", "wait"))
+            print(f"  batch {lo:>3}-{hi:<3}: {len(rows):>5} steps, step {step_ms:.2f} ms, launch {launch_ms:.2f} ms, "
+                  f"blocked on GPU {wait_ms:.2f} ms")
+
+
+def _mean_ms(values: list[float], indices: list[int]) -> float:
+    picked = [values[i] for i in indices if i < len(values)]
+    return sum(picked) / max(1, len(picked)) * 1e3
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", default="/tmp/nanoplane-qwen3-0.6b-random")
+    p.add_argument("--model-dir", default="", help="default: /tmp/nanoplane-qwen3-<shape>-random")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
     args = p.parse_args()
-    path = Path(args.model_dir)
+    path = Path(args.model_dir or f"/tmp/nanoplane-qwen3-{args.shape}-random")
     if not (path / "model.safetensors").is_file():
-        make_random_model(path)
+        make_random_model(path, args.shape)
     if args.mode == "service":
         return run_service(path, args)
 
     from controlplane import LLM, SamplingParams
 
     llm = LLM(str(path), enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              max_model_len=4096)
+              max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
     prompts, max_tokens = workload(args.num_seqs)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -156,8 +188,9 @@ def main() -> None:
     kv_tokens = runner.num_kv_blocks * runner.block_size
     print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | KV capacity (tokens) "
           "| peak GPU GiB | peak RSS GiB |")
-    print(f"| embedded | {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {FLOOR_TOK_S:,} | "
-          f"{total / elapsed / FLOOR_TOK_S:.1%} | {kv_tokens:,} | {peak_gpu:.1f} | {rss:.1f} |")
+    tok_s = total / elapsed
+    print(f"| embedded {args.shape} TP={args.tensor_parallel_size} | {total} | {elapsed:.2f} | {tok_s:,.0f} | "
+          f"{floor_cells(args.shape, args.tensor_parallel_size, tok_s)} | {kv_tokens:,} | {peak_gpu:.1f} | {rss:.1f} |")
     llm.close()
 
 
@@ -171,7 +204,8 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
     from clients.client import AsyncClient, Client
     from controlplane.cli import serve_in_background
 
-    flags = ["--model", str(path), "--max-model-len", "4096", "--attention-backend", args.attention_backend]
+    flags = ["--model", str(path), "--max-model-len", "4096", "--attention-backend", args.attention_backend,
+             "--tensor-parallel-size", str(args.tensor_parallel_size)]
     with serve_in_background(flags + (["--enforce-eager"] if args.enforce_eager else []), 600) as (address, server):
         with Client(address) as client:
             client.generate_text([1, 2, 3], max_tokens=4)  # warm-up
@@ -200,8 +234,9 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
         procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         rss = {p.pid: p.memory_info().rss / 2**30 for p in procs}
         print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | RSS GiB per process (serve first) |")
-        print(f"| service | {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {FLOOR_TOK_S:,} | "
-              f"{total / elapsed / FLOOR_TOK_S:.1%} | {', '.join(f'{v:.1f}' for v in rss.values())} |")
+        print(f"| service {args.shape} TP={args.tensor_parallel_size} | {total} | {elapsed:.2f} | "
+              f"{total / elapsed:,.0f} | {floor_cells(args.shape, args.tensor_parallel_size, total / elapsed)} | "
+              f"{', '.join(f'{v:.1f}' for v in rss.values())} |")
 
 if __name__ == "__main__":
     main()
