@@ -1,12 +1,14 @@
 """GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
 
-    python benchmarks/kernels.py [--only decode,prefill,rms_norm,rotary,store] [--dtype bf16]
+    python benchmarks/kernels.py [--only decode,prefill,rms_norm,rotary,store,sample] [--dtype bf16]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
 `cold` is triton's do_bench (L2 flushed before each call, one launch per call: what a step sees
 without CUDA graphs); `graph` replays the calls in a CUDA graph (no launch overhead, but the L2
 stays warm, so ops whose working set fits the 50 MB L2 can beat the HBM floor). Prefill is
-compute-bound, so its line also gives TFLOP/s against 787 (dense bf16).
+compute-bound, so its line also gives TFLOP/s against 787 (dense bf16). `sample` times the fused
+sampler (kernels.sample) beside the torch path it replaces (dataplane.sampler's fp32 copy, softmax,
+exponential noise, argmax), both against one read of the logits.
 """
 
 import argparse
@@ -23,9 +25,11 @@ from kernels import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
+    sample,
     store_kvcache,
 )
 from kernels import reference as ref  # noqa: E402
+from kernels.sampling import sampling_uniforms  # noqa: E402
 
 BANDWIDTH = 4.24e12  # bytes/s
 MATMUL_FLOPS = 787e12  # bf16 dense
@@ -45,13 +49,14 @@ def paged(ctx_lens: list[int], page: int, dtype: torch.dtype):
     return k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
 
 
-def report(name: str, fn, nbytes: int, flops: float = 0.0, check=None) -> None:
+def report(name: str, fn, nbytes: int, flops: float = 0.0, check=None, graph: bool = True) -> None:
+    """`graph=False` for an op a CUDA graph cannot capture: its graph column then repeats the cold time."""
     if check is not None:
         got, expected = check()
         err = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
     cold = triton.testing.do_bench(fn, warmup=25, rep=200) * 1e3
-    graph = triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
+    graph = triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3 if graph else cold
     floor = nbytes / BANDWIDTH * 1e6
     line = (f"{name:<44} cold {cold:9.1f} us  graph {graph:9.1f} us  floor {floor:9.1f} us  "
             f"{floor / graph:6.1%} of floor  {nbytes / graph / 1e3:7.0f} GB/s")
@@ -130,8 +135,40 @@ def bench_store(dtype: torch.dtype) -> None:
                nbytes)
 
 
+def bench_sample(dtype: torch.dtype) -> None:
+    from dataplane.sampler import Sampler
+
+    esize = torch.finfo(dtype).bits // 8
+    vocab = 151936  # Qwen3
+    torch_path = Sampler(torch.device("cuda"), fused=False)
+    for rows, temp in [(1, 0.8), (32, 0.8), (256, 0.8), (512, 0.8), (256, 0.0)]:
+        logits = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
+        t = torch.full((rows,), temp, device="cuda")
+        seeds = torch.randint(0, 2**62, (rows,), device="cuda")
+        offsets = torch.randint(0, 2**20, (rows,), device="cuda")
+        ids = sample(logits, t, seeds, offsets)
+        expected = ref.sample_reference(logits, t, sampling_uniforms(seeds, offsets, vocab))
+        # Equal but for near-ties: the kernel's fast log is not torch's to the last bit.
+        assert (ids == expected).float().mean() >= 0.99, f"sample R={rows}: ids differ from the reference"
+        nbytes = logits.numel() * esize
+        name = f"R={rows} V={vocab} T={temp}"
+        report(f"sample fused {name}", lambda: sample(logits, t, seeds, offsets), nbytes)  # noqa: B023
+        k, p, m = (torch.zeros(rows, dtype=torch.int32, device="cuda"), torch.ones(rows, device="cuda"),
+                   torch.zeros(rows, device="cuda"))
+        # As rank 0 ran it before the fused kernel: argmax of the raw logits when all rows are greedy,
+        # else the fp32 copy of the logits and the torch path.
+        torch_fn = ((lambda: logits.argmax(dim=-1)) if temp == 0 else  # noqa: B023
+                    lambda: torch_path(logits.float(), t, k, p, m, [None] * rows, all_greedy=False,  # noqa: B023
+                                       filtered=False))
+        report(f"sample torch {name}", torch_fn, nbytes, graph=False)
+        if temp and rows in (1, 256):  # the launch's tile size, for tuning the launcher's default
+            for block in (256, 512, 1024, 2048):
+                report(f"sample fused {name} block={block}",
+                       lambda: sample(logits, t, seeds, offsets, block=block), nbytes)  # noqa: B023
+
+
 BENCHES = {"decode": bench_decode, "prefill": bench_prefill, "rms_norm": bench_rms_norm,
-           "rotary": bench_rotary, "store": bench_store}
+           "rotary": bench_rotary, "store": bench_store, "sample": bench_sample}
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ class BatchState:
         self.top_k = np.zeros(num_slots, dtype=np.int32)
         self.top_p = np.ones(num_slots, dtype=np.float32)
         self.min_p = np.zeros(num_slots, dtype=np.float32)
-        self.seeds: list[int | None] = [None] * num_slots
+        self.seeds = np.full(num_slots, -1, dtype=np.int64)  # a request's sampling seed, -1 for none
         self.generators: list[torch.Generator | None] = [None] * num_slots
 
     def apply(self, desc: StepDescriptor, make_generator) -> None:
@@ -88,3 +88,4 @@ class BatchState:
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             s.temperature, s.top_k, s.top_p, s.min_p)
         self.generators[slot] = make_generator(s.seed) if s.seed is not None else None
+        self.seeds[slot] = s.seed if s.seed is not None else -1

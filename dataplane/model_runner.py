@@ -97,6 +97,8 @@ class ModelRunner:
         load_model(self.model, cfg.model)
         self.model.eval()
         self.sampler = Sampler(self.device, cfg.seed)
+        if self.rank == 0:  # before the KV cache takes the memory its scratch logits borrow
+            self.sampler.warmup(self.hf_config.vocab_size, cfg.max_num_seqs, self.dtype)
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = kv_cache.allocate(self.model, self.num_kv_blocks, self.block_size, self.dtype, self.device)
         self.state = BatchState(cfg.max_num_seqs, self.max_model_len, self.block_size, self.device)
@@ -248,11 +250,10 @@ class ModelRunner:
         temperature = st.temperature[slots]
         if not temperature.any():  # all greedy: no parameters to upload, no sync
             return logits.argmax(dim=-1)
-        top_k, top_p, min_p = st.top_k[slots], st.top_p[slots], st.min_p[slots]
-        filtered = bool((top_k > 0).any() or (top_p < 1).any() or (min_p > 0).any())
-        t, k, p, m = self.upload(temperature, top_k, top_p, min_p)
-        return self.sampler(logits.float(), t, k, p, m, [st.generators[s] for s in slots.tolist()],
-                            all_greedy=False, filtered=filtered)
+        # Raw logits: the fused path reads them once as they are; the torch path makes its fp32 copy.
+        return self.sampler.sample(logits, temperature, st.top_k[slots], st.top_p[slots], st.min_p[slots],
+                                   st.seeds[slots], st.num_known[slots], [st.generators[s] for s in slots.tolist()],
+                                   upload=self.upload)
 
     def close(self) -> None:
         """Release the GPU memory now, not whenever the garbage collector finds the model."""

@@ -1,29 +1,137 @@
 """Rank 0's sampler: greedy, temperature, top-k, top-p and min-p, with per-request seeds.
 
-Sampling draws one exponential noise per vocabulary entry and takes argmax(p / noise), which is an
-exact draw from p. A seeded request draws its noise from its own generator, so its tokens do not
-depend on which other requests share the batch.
+Two paths, each an exact draw from softmax(logits / T):
+
+- fused (kernels.sample; on CUDA by default): one Triton pass over the raw logits, argmax of the
+  logits plus Gumbel noise, for every row without top-k/top-p/min-p. A row's noise is a function
+  of its key and offset: a seeded request's are its seed and the position of the token it draws,
+  so its tokens depend neither on the batch nor on a preemption (a recomputed request draws each
+  position again with the same noise); unseeded rows take the shared seed and a draw counter.
+- torch (the CPU path, and the rows with filters): softmax, one exponential noise E per vocabulary
+  entry, argmax(p / E). A seeded request draws its noise from its own generator, so its tokens do
+  not depend on which other requests share the batch.
+
+A request keeps its filters for life, so it stays on one path, and its seeded draws stay
+reproducible whatever shares its batch.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable, Sequence
+
+import numpy as np
 import torch
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, fused: bool | None = None):
+        """`fused`: use the Triton kernel for rows without filters; by default on CUDA when triton is
+        installed (on a CPU the kernel runs only in Triton's interpreter: tests)."""
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(seed)
+        if fused is None:
+            fused = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.fused = fused
+        # The fused path's key for unseeded rows: the shared seed with the top bit set, outside the
+        # [0, 2**63) of request seeds, so the shared stream never replays a seeded request's noise.
+        self.shared_key = seed % 2**63 - 2**63
+        self.draws = 0  # unseeded rows drawn by the fused path: each takes the next offset
 
     def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, generators: list[torch.Generator | None], all_greedy: bool | None = None,
-                 filtered: bool | None = None) -> torch.Tensor:
-        """logits [R, V] float32; parameters [R] on logits' device; returns [R] int64 token ids.
+                 min_p: torch.Tensor, generators: Sequence[torch.Generator | None], all_greedy: bool | None = None,
+                 filtered: bool | None = None, positions: Sequence[int] | np.ndarray | None = None) -> torch.Tensor:
+        """logits [R, V]; parameters [R] on logits' device; returns [R] int64 token ids.
 
         `all_greedy` and `filtered` may be given by a caller that knows them from host copies of the
-        parameters; otherwise they are read from the device (a sync).
+        parameters; otherwise they are read from the device (a sync). With `self.fused`, the
+        parameters are read back to the host (a sync; rank 0 calls `sample` with host copies) and
+        a seeded row's key is its generator's seed: `positions` [R] must then give the position of
+        the token each row draws.
         """
+        if not self.fused:
+            return self._torch_sample(logits, temperature, top_k, top_p, min_p, generators, all_greedy, filtered)
+        seeds = np.array([-1 if g is None else g.initial_seed() for g in generators], dtype=np.int64)
+        if positions is None:
+            if (seeds >= 0).any():
+                raise ValueError("the fused sampler needs the positions of seeded rows")
+            positions = np.zeros(len(seeds), dtype=np.int64)
+        host = [x.cpu().numpy() for x in (temperature, top_k, top_p, min_p)]
+        return self.sample(logits, *host, seeds, np.asarray(positions), generators)
+
+    def sample(self, logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+               min_p: np.ndarray, seeds: np.ndarray, positions: np.ndarray,
+               generators: Sequence[torch.Generator | None],
+               upload: Callable[..., list[torch.Tensor]] | None = None) -> torch.Tensor:
+        """Token ids [R] (int64, on logits' device) from raw logits [R, V] and host arrays [R].
+
+        temperature/top_k/top_p/min_p: float32/int32/float32/float32 as BatchState keeps them;
+        seeds: each request's seed, -1 for none; positions: the position of the token each row
+        draws (the tokens its request holds); generators: per row, for the torch path. `upload`
+        copies host arrays to the device in one go (rank 0 passes its Uploader); nothing here waits
+        for the device.
+        """
+        upload = upload or self._upload
+        if not temperature.any():
+            return logits.argmax(dim=-1)
+        row_filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
+        if not self.fused or row_filtered.all():
+            t, k, p, m = upload(temperature, top_k, top_p, min_p)
+            return self._torch_sample(logits, t, k, p, m, generators, all_greedy=False,
+                                      filtered=bool(row_filtered.any()))
+        import kernels  # triton is optional: only the fused path needs it
+
+        keys, offsets = self.streams(seeds, positions)
+        if not row_filtered.any():
+            t, keys_t, offsets_t = upload(temperature, keys, offsets)
+            return kernels.sample(logits, t, keys_t, offsets_t)
+        # Some rows filter: the kernel draws every row (cheaper than gathering the others), then the
+        # torch path redraws the filtered rows, each as it would in any batch.
+        rows = np.flatnonzero(row_filtered)
+        t, keys_t, offsets_t, rows_t, k, p, m = upload(temperature, keys, offsets, rows.astype(np.int64),
+                                                       top_k[rows], top_p[rows], min_p[rows])
+        out = kernels.sample(logits, t, keys_t, offsets_t)
+        out[rows_t] = self._torch_sample(logits[rows_t], t[rows_t], k, p, m, [generators[i] for i in rows.tolist()],
+                                         all_greedy=not temperature[rows].any(), filtered=True)
+        return out
+
+    def streams(self, seeds: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The fused path's (key, offset) per row, int64: (seed, position) for a seeded row, (the
+        shared key, the next draw number) for the others."""
+        n = len(seeds)
+        seeded = seeds >= 0
+        keys = np.where(seeded, seeds, self.shared_key).astype(np.int64)
+        offsets = np.where(seeded, positions, np.arange(self.draws, self.draws + n)).astype(np.int64)
+        self.draws += n
+        return keys, offsets
+
+    def warmup(self, vocab_size: int, max_rows: int, dtype: torch.dtype) -> None:
+        """Compile the fused kernel's variants (tile size, split or not) for every batch size now, not
+        during the first steps that meet them; with triton's disk cache this is quick after the first run."""
+        if not self.fused or self.device.type != "cuda":
+            return
+        import kernels
+
+        logits = torch.zeros(max_rows, vocab_size, dtype=dtype, device=self.device)
+        t = torch.ones(max_rows, device=self.device)
+        zeros = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        for rows in range(1, max_rows + 1):
+            kernels.sample(logits[:rows], t[:rows], zeros[:rows], zeros[:rows])
+        torch.cuda.synchronize(self.device)
+
+    def generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+
+    def _torch_sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor, min_p: torch.Tensor, generators: Sequence[torch.Generator | None],
+                      all_greedy: bool | None, filtered: bool | None) -> torch.Tensor:
+        logits = logits.float()
         greedy = logits.argmax(dim=-1)
         if all_greedy if all_greedy is not None else bool((temperature == 0).all()):
             return greedy
@@ -37,11 +145,6 @@ class Sampler:
             noise[i].exponential_(generator=generators[i])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperature == 0, greedy, sampled)
-
-    def generator(self, seed: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
-        return g
 
 
 def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ __all__ = [
     "paged_prefill_attention",
     "qkv_prologue",
     "rms_norm",
+    "sample",
     "silu_and_mul",
     "store_kvcache",
 ]
@@ -25,6 +26,7 @@ if importlib.util.find_spec("triton") is not None:
     from kernels.qkv_prologue import qkv_prologue
     from kernels.rmsnorm import rms_norm
     from kernels.rotary import apply_rotary
+    from kernels.sampling import sample
     from kernels.store_kvcache import store_kvcache
 else:
 

@@ -157,3 +157,17 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up as torch computes it in x's dtype (silu rounded, then the product)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max sampling in fp32 with the uniform noise given: int64 [R] token ids.
+
+    Rows at temperature T > 0 take argmax(logits + T * g) with g = -log(-log(u)) (the argmax of
+    logits / T + g: an exact draw from softmax(logits / T)); rows at T == 0 take argmax(logits).
+    Ties go to the lowest index. kernels.sampling.sampling_uniforms gives the u that
+    kernels.sampling.sample draws, so both pick the same ids.
+    """
+    x = logits.float()
+    t = temperature.float().unsqueeze(1)
+    noisy = x + t * -torch.log(-torch.log(uniforms.float()))
+    return torch.where(t > 0, noisy, x).argmax(dim=-1)

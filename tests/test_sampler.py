@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from dataplane.sampler import Sampler, apply_filters
@@ -29,16 +31,21 @@ def test_mixed_greedy_and_sampled_rows():
     assert out[1] == logits[1].argmax()
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("fused", [False, True])
+def test_seeded_rows_do_not_depend_on_the_batch(fused):
     torch.manual_seed(0)
     logits = torch.randn(5, V)
-    s = Sampler(torch.device("cpu"), seed=3)
+    s = Sampler(torch.device("cpu"), seed=3, fused=fused)
     draws_alone, draws_batched = [], []
     g1, g2 = s.generator(1234), s.generator(1234)
-    for _ in range(20):
-        draws_alone.append(int(s(logits[2:3], *params(1), [g1])[0]))
-        batch = s(logits, *params(5), [None, None, g2, None, None])
+    t, k, p, m = params(5)
+    t[1], k[3] = 0.0, 3  # the batch mixes in a greedy row and a filtered one (the torch path's, when fused)
+    for step in range(20):
+        # The position of the token drawn keys the fused path's noise; the torch path's generators advance instead.
+        draws_alone.append(int(s(logits[2:3], *params(1), [g1], positions=[40 + step])[0]))
+        batch = s(logits, t, k, p, m, [None, None, g2, s.generator(5), None], positions=[3, 8, 40 + step, 9, 1])
         draws_batched.append(int(batch[2]))
+        assert batch[1] == logits[1].argmax() and batch[3] in logits[3].topk(3).indices
     assert draws_alone == draws_batched
     assert len(set(draws_alone)) > 1  # it really samples
 
@@ -92,3 +99,111 @@ def test_sampled_tokens_respect_top_k():
     out = s(logits, *params(500, top_k=3), [None] * 500)
     assert set(out.tolist()) <= set(logits[0].topk(3).indices.tolist())
     assert len(set(out.tolist())) == 3
+
+
+def host_params(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    full = lambda v, dt: np.full(rows, v, dtype=dt)  # noqa: E731
+    return full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32), full(min_p, np.float32)
+
+
+def test_fused_rows_draw_the_kernels_noise_for_their_seed_and_position():
+    pytest.importorskip("triton")
+    from kernels.reference import sample_reference
+    from kernels.sampling import sampling_uniforms
+
+    logits = torch.randn(4, 37, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)  # raw, as rank 0's
+    s = Sampler(torch.device("cpu"), seed=11, fused=True)
+    t, k, p, m = host_params(4)
+    t[3] = 0.0
+    seeds = np.array([-1, 2**62, -1, 5], dtype=np.int64)
+    positions = np.array([7, 30, 7, 2], dtype=np.int32)
+    for call in range(2):
+        ids = s.sample(logits, t, k, p, m, seeds, positions, [None] * 4)
+        # Unseeded rows: the shared key (top bit set) and the next draw numbers; seeded: (seed, position).
+        keys = torch.tensor([s.shared_key, 2**62, s.shared_key, 5])
+        offsets = torch.tensor([4 * call, 30, 4 * call + 2, 2])
+        u = sampling_uniforms(keys, offsets, 37)
+        assert torch.equal(ids, sample_reference(logits, torch.from_numpy(t), u))
+        assert ids[3] == logits[3].argmax()
+    assert s.shared_key < 0 and s.draws == 8
+
+
+def test_fused_streams_never_reuse_an_unseeded_offset():
+    s = Sampler(torch.device("cpu"), seed=2**63 + 3, fused=True)
+    seeds = np.array([-1, 9, -1], dtype=np.int64)
+    first = s.streams(seeds, np.array([5, 6, 7]))
+    second = s.streams(seeds, np.array([5, 6, 7]))
+    assert first[0].tolist() == second[0].tolist() == [3 - 2**63, 9, 3 - 2**63]
+    assert first[1].tolist() == [0, 6, 2] and second[1].tolist() == [3, 6, 5]
+
+
+def test_fused_filtered_rows_take_the_torch_path():
+    pytest.importorskip("triton")
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(8)).expand(6, V)
+    s = Sampler(torch.device("cpu"), seed=1, fused=True)
+    t, k, p, m = host_params(6)
+    k[:3] = 2
+    t[5] = 0.0
+    seen = set()
+    for _ in range(4):
+        ids = s.sample(logits, t, k, p, m, np.full(6, -1, dtype=np.int64), np.zeros(6, dtype=np.int32), [None] * 6)
+        assert set(ids[:3].tolist()) <= set(logits[0].topk(2).indices.tolist())
+        assert ids[5] == logits[0].argmax()
+        seen |= set(ids[3:5].tolist())
+    assert len(seen) > 2  # unfiltered rows draw from the whole vocabulary
+
+
+def test_fused_sampler_needs_the_positions_of_seeded_rows():
+    s = Sampler(torch.device("cpu"), fused=True)
+    with pytest.raises(ValueError, match="positions"):
+        s(torch.randn(2, V), *params(2), [None, s.generator(3)])
+
+
+def test_torch_path_takes_raw_half_logits():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(9))
+    t, k, p, m = host_params(3, top_k=4)
+    t[0] = 0.0
+    args = (t, k, p, m, np.full(3, -1, dtype=np.int64), np.zeros(3, dtype=np.int32), [None] * 3)
+    half = Sampler(torch.device("cpu"), seed=2).sample(logits.to(torch.bfloat16), *args)
+    full = Sampler(torch.device("cpu"), seed=2).sample(logits.to(torch.bfloat16).float(), *args)
+    assert torch.equal(half, full) and half[0] == logits.to(torch.bfloat16)[0].float().argmax()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_engine_seeded_request_ignores_its_batch(tiny_models, fused):
+    """Through rank 0's model runner: the request's seed and token positions reach the sampler."""
+    from controlplane import LLM, SamplingParams
+
+    prompts = [[5, 17, 99, 3, 250, 8], [40, 41, 42], [7] * 12, [300, 2, 9, 9]]
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=42)
+    others = [SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=5, max_tokens=10, ignore_eos=True, seed=1),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    llm = LLM(str(tiny_models["qwen3"]), device="cpu", kvcache_block_size=16)
+    try:
+        llm.engine.data_plane.runner.sampler.fused = fused
+        alone = llm.generate(prompts[:1], seeded, use_tqdm=False)[0]["token_ids"]
+        batched = llm.generate(prompts, [seeded, *others], use_tqdm=False)
+    finally:
+        llm.close()
+    assert batched[0]["token_ids"] == alone
+    assert len(set(alone)) > 3  # it samples
+
+
+def test_engine_fused_seeded_request_survives_preemption(tiny_models):
+    """A preempted request is recomputed and draws its next positions again: the same tokens (only the fused path
+    keys the noise by position; the torch path restarts the request's generator)."""
+    from controlplane import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 380 + 1 for j in range(20 + 4 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=100 + i) for i in range(5)]
+    outs = []
+    for blocks in (0, 8):  # 0: sized by memory; 8 blocks of 16 tokens hold 128; the five requests need about 280
+        llm = LLM(str(tiny_models["llama-tied"]), device="cpu", kvcache_block_size=16, num_kvcache_blocks=blocks)
+        try:
+            llm.engine.data_plane.runner.sampler.fused = True
+            outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert (llm.engine.scheduler.num_preemptions > 0) == (blocks > 0)
+        finally:
+            llm.close()
+    assert outs[0] == outs[1]

@@ -1,0 +1,218 @@
+"""Sampling in one pass over the logits: greedy rows take the argmax, the others a Gumbel-max draw.
+
+For a row at temperature T > 0 the token is argmax(logits + T * g) with g = -log(-log(u)) Gumbel
+noise, u uniform in (0, 1): the same argmax as logits / T + g, so an exact draw from
+softmax(logits / T), without a softmax, a division or an fp32 copy of the logits (and no overflow
+when T is tiny). Rows at T == 0 take argmax(logits). Ties go to the lowest index, as torch.argmax.
+
+The noise is Philox4x32-10 (tl.rand4x), keyed by the row's seed; with Q = ceil(V / 4) its counter
+is `offset * Q + i`, and the four words of counter i are the uniforms of columns i, Q + i, 2Q + i
+and 3Q + i (the row cut in four quarters, each read contiguously). One Philox call thus serves four
+columns, which matters: at 10 rounds per call the integer work, not the read of the logits, would
+bound the kernel. A row's draw depends only on (seed, offset, logits, T), never on the other rows
+of the batch. NaN logits never win (torch.argmax would pick them); a row with nothing above -inf
+gives 0, as torch.argmax does.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Index no column reaches: marks "nothing seen yet" in the running argmax.
+_NONE = tl.constexpr(2**31 - 1)
+# Smallest uniform let through: tl.rand can return 0, whose Gumbel noise would be -inf (and whose
+# -log would be +inf); 1e-30 gives finite noise (about -4.2). Its upper end is below 1 already.
+_U_MIN = tl.constexpr(1e-30)
+
+
+@triton.jit
+def _uniforms4(seed, counters):
+    """The uniforms in (0, 1) of the four quarters' columns at `counters`."""
+    u0, u1, u2, u3 = tl.rand4x(seed, counters)
+    return (tl.maximum(u0, _U_MIN), tl.maximum(u1, _U_MIN), tl.maximum(u2, _U_MIN), tl.maximum(u3, _U_MIN))
+
+
+@triton.jit
+def _gumbel(u):
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _update(row_ptr, i, live, q: tl.constexpr, VQ, V, t, u, best, best_idx, NOISE: tl.constexpr):
+    # Within one lane and quarter the columns only grow, so a strict > keeps the lowest index of a tie.
+    col = q * VQ + i
+    mask = live & (col < V)
+    x = tl.load(row_ptr + col, mask=mask, other=float("-inf")).to(tl.float32)
+    if NOISE:
+        x = x + t * _gumbel(u)
+    take = x > best
+    return tl.where(take, x, best), tl.where(take, col, best_idx)
+
+
+@triton.jit
+def _scan(row_ptr, seed, base, start, stop, VQ, V, t, BLOCK: tl.constexpr, NOISE: tl.constexpr):
+    """(max score, lowest column reaching it) over quarter indices [start, stop) of one row."""
+    lanes = tl.arange(0, BLOCK)
+    b0 = tl.full((BLOCK,), float("-inf"), tl.float32)
+    b1, b2, b3 = b0, b0, b0
+    i0 = tl.full((BLOCK,), _NONE, tl.int32)
+    i1, i2, i3 = i0, i0, i0
+    for s in range(start, stop, BLOCK):
+        i = s + lanes
+        live = i < stop
+        if NOISE:
+            u0, u1, u2, u3 = _uniforms4(seed, base + i)
+        else:
+            u0, u1, u2, u3 = t, t, t, t  # unused
+        b0, i0 = _update(row_ptr, i, live, 0, VQ, V, t, u0, b0, i0, NOISE)
+        b1, i1 = _update(row_ptr, i, live, 1, VQ, V, t, u1, b1, i1, NOISE)
+        b2, i2 = _update(row_ptr, i, live, 2, VQ, V, t, u2, b2, i2, NOISE)
+        b3, i3 = _update(row_ptr, i, live, 3, VQ, V, t, u3, b3, i3, NOISE)
+    best = tl.maximum(tl.maximum(tl.max(b0, 0), tl.max(b1, 0)), tl.maximum(tl.max(b2, 0), tl.max(b3, 0)))
+    idx = tl.minimum(
+        tl.minimum(tl.min(tl.where(b0 == best, i0, _NONE), 0), tl.min(tl.where(b1 == best, i1, _NONE), 0)),
+        tl.minimum(tl.min(tl.where(b2 == best, i2, _NONE), 0), tl.min(tl.where(b3 == best, i3, _NONE), 0)),
+    )
+    return best, idx
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, out_ptr, part_val_ptr, part_idx_ptr,
+    stride_row, V, VQ, SPAN,
+    BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """One program per (row, split): split s covers quarter indices [s * SPAN, (s + 1) * SPAN)."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    t = tl.load(temperature_ptr + row)
+    start = split * SPAN
+    stop = tl.minimum(start + SPAN, VQ)
+    if t > 0:
+        seed = tl.load(seeds_ptr + row)
+        base = tl.load(offsets_ptr + row) * VQ
+        best, idx = _scan(row_ptr, seed, base, start, stop, VQ, V, t, BLOCK, True)
+    else:
+        best, idx = _scan(row_ptr, 0, 0, start, stop, VQ, V, t, BLOCK, False)
+    if SPLIT:
+        tl.store(part_val_ptr + row * tl.num_programs(1) + split, best)
+        tl.store(part_idx_ptr + row * tl.num_programs(1) + split, idx)
+    else:
+        # Only a row whose every score is -inf (or NaN) sees no column; torch.argmax gives 0 there.
+        tl.store(out_ptr + row, tl.where(idx == _NONE, 0, idx).to(tl.int64))
+
+
+@triton.jit
+def _reduce_splits_kernel(part_val_ptr, part_idx_ptr, out_ptr, NUM_SPLITS, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK)
+    mask = s < NUM_SPLITS
+    val = tl.load(part_val_ptr + row * NUM_SPLITS + s, mask=mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * NUM_SPLITS + s, mask=mask, other=_NONE)
+    best = tl.max(val, 0)
+    first = tl.min(tl.where(val == best, idx, _NONE), 0)
+    tl.store(out_ptr + row, tl.where(first == _NONE, 0, first).to(tl.int64))
+
+
+@triton.jit
+def _uniforms_kernel(seeds_ptr, offsets_ptr, out_ptr, stride_row, V, VQ, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seed = tl.load(seeds_ptr + row)
+    base = tl.load(offsets_ptr + row) * VQ
+    u0, u1, u2, u3 = _uniforms4(seed, base + i)
+    row_ptr = out_ptr + row.to(tl.int64) * stride_row
+    live = i < VQ
+    tl.store(row_ptr + i, u0, mask=live & (i < V))
+    tl.store(row_ptr + VQ + i, u1, mask=live & (VQ + i < V))
+    tl.store(row_ptr + 2 * VQ + i, u2, mask=live & (2 * VQ + i < V))
+    tl.store(row_ptr + 3 * VQ + i, u3, mask=live & (3 * VQ + i < V))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs one program at a time: more splits only cost time
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _check(temperature: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, rows: int, device) -> None:
+    assert temperature.shape == (rows,) and temperature.dtype == torch.float32 and temperature.is_contiguous()
+    for name, x in (("seeds", seeds), ("offsets", offsets)):
+        assert x.shape == (rows,) and x.dtype == torch.int64 and x.is_contiguous(), f"{name} must be int64 [R]"
+        assert x.device == device, f"{name} must be on the logits' device"
+    assert temperature.device == device
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One token id per row (int64 [R]) of logits [R, V] (bf16/fp16/fp32, unit-stride rows).
+
+    temperature [R] fp32 (0: greedy); seeds, offsets [R] int64 on the logits' device pick each row's
+    noise (module docstring). `block` (columns per quarter per step) and `num_splits` (programs per
+    row) tune the launch; by default a batch of few rows spreads each row over several programs so
+    that a single row still fills the GPU. Nothing here reads the device from the host.
+    """
+    assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be [R, V] with unit-stride rows"
+    assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    rows, vocab = logits.shape
+    _check(temperature, seeds, offsets, rows, logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0 or vocab == 0:
+        return out.zero_()
+    quarter = triton.cdiv(vocab, 4)
+    sms = _sm_count(logits.device)
+    if block is None:
+        block = min(1024, triton.next_power_of_2(quarter))
+        while block > 256 and rows * triton.cdiv(quarter, block) < 2 * sms:
+            block //= 2  # few rows: smaller tiles, so that the splits below can reach every SM
+    tiles = triton.cdiv(quarter, block)
+    if num_splits is None:
+        # About four programs per SM: enough to hide latency and to even out the last wave.
+        num_splits = min(tiles, triton.cdiv(4 * sms, rows))
+    num_splits = max(1, min(num_splits, tiles))
+    span = triton.cdiv(tiles, num_splits) * block
+    num_splits = triton.cdiv(quarter, span)  # no split left without columns
+    split = num_splits > 1
+    if split:
+        part_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
+        part_idx = torch.empty(rows, num_splits, dtype=torch.int32, device=logits.device)
+    else:
+        part_val, part_idx = out, out  # placeholders: SPLIT=False compiles them away
+    _sample_kernel[(rows, num_splits)](
+        logits, temperature, seeds, offsets, out, part_val, part_idx,
+        logits.stride(0), vocab, quarter, span,
+        BLOCK=block, SPLIT=split, num_warps=min(8, max(1, block // 128)),
+    )
+    if split:
+        _reduce_splits_kernel[(rows,)](part_val, part_idx, out, num_splits, BLOCK=triton.next_power_of_2(num_splits))
+    return out
+
+
+def sampling_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The uniforms u [R, V] (fp32, in (0, 1)) that `sample` draws for these seeds and offsets.
+
+    For tests: kernels.reference.sample_reference(logits, temperature, u) must pick the same ids.
+    """
+    rows = seeds.shape[0]
+    assert seeds.dtype == offsets.dtype == torch.int64 and offsets.shape == (rows,)
+    out = torch.empty(rows, vocab_size, dtype=torch.float32, device=seeds.device)
+    quarter = triton.cdiv(vocab_size, 4)
+    block = min(1024, triton.next_power_of_2(quarter))
+    if rows and vocab_size:
+        _uniforms_kernel[(rows, triton.cdiv(quarter, block))](
+            seeds.contiguous(), offsets.contiguous(), out, out.stride(0), vocab_size, quarter, BLOCK=block)
+    return out

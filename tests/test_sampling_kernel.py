@@ -1,0 +1,196 @@
+"""The fused sampling kernel (kernels/sampling.py) against its fp32 torch twin, and its noise.
+
+Without CUDA the kernel runs in Triton's interpreter at about 15 ms a program (one program per row),
+so the CPU cases use few rows; the real shapes are in the `gpu`-marked cases at the end.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (see tests/test_kernels.py)
+
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import reference as ref  # noqa: E402
+from kernels import sample  # noqa: E402
+from kernels.sampling import sampling_uniforms  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (block, num_splits): the launcher's choice, and small tiles over several programs per row (the
+# path a GPU takes for a batch of few rows) so that tile and split boundaries are crossed.
+LAUNCHES = [(None, None), (16, 3)]
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def streams(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random keys over the whole int64 range and offsets past 2**32 / V (the counter's high word)."""
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), dtype=torch.int64, device=DEV)
+    offsets = torch.randint(0, 2**40, (rows,), dtype=torch.int64, device=DEV)
+    return seeds, offsets
+
+
+def assert_reference_draws(ids: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
+                           seeds: torch.Tensor, offsets: torch.Tensor) -> None:
+    """The kernel's ids are the reference's given the kernel's uniforms.
+
+    Exactly, but for a near-tie of two scores: on a GPU the kernel's log is not torch's to the last
+    bit (and may fuse x + T * g), which can swap two scores within rounding of each other.
+    """
+    u = sampling_uniforms(seeds, offsets, logits.shape[1])
+    expected = ref.sample_reference(logits, temperature, u)
+    assert ids.dtype == torch.int64 and ids.shape == expected.shape
+    differ = (ids != expected).nonzero().flatten().tolist()
+    x = logits.float()
+    t = temperature.float().unsqueeze(1)
+    scores = torch.where(t > 0, x + t * -torch.log(-torch.log(u)), x)
+    for r in differ:
+        best, got = scores[r, expected[r]].item(), scores[r, ids[r]].item()
+        assert abs(best - got) <= 1e-5 * max(1.0, abs(best)), f"row {r}: kernel {int(ids[r])} scores {got}, " \
+                                                              f"reference {int(expected[r])} scores {best}"
+    assert len(differ) <= max(1, ids.numel() // 100), f"{len(differ)} near-ties is too many: {differ}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [37, 1000])
+@pytest.mark.parametrize("block,num_splits", LAUNCHES)
+def test_matches_reference_given_the_uniforms(dtype, vocab, block, num_splits):
+    rows = 7
+    # A view with a row stride wider than V: the kernel must not assume contiguous rows.
+    wide = torch.randn(rows, vocab + 13, device=DEV) * 4
+    logits = wide.to(dtype)[:, :vocab]
+    temperature = torch.tensor([1.0, 0.0, 0.7, 2.5, 0.0, 1e-3, 1.0], device=DEV)
+    seeds, offsets = streams(rows)
+    ids = sample(logits, temperature, seeds, offsets, block=block, num_splits=num_splits)
+    assert_reference_draws(ids, logits, temperature, seeds, offsets)
+    greedy = logits.float().argmax(-1)
+    assert torch.equal(ids[temperature == 0], greedy[temperature == 0])
+    assert (ids[temperature > 0.5] != greedy[temperature > 0.5]).any()  # the noise really draws
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block,num_splits", LAUNCHES)
+def test_greedy_is_argmax_with_ties_to_the_lowest_index(dtype, block, num_splits):
+    rows, vocab = 6, 301
+    # Few distinct values: every row has its maximum several times, across tiles and splits.
+    logits = torch.randint(-3, 4, (rows, vocab), device=DEV).to(dtype)
+    logits[0, :] = float("-inf")  # nothing finite: torch.argmax answers 0
+    logits[1, 250] = float("inf")
+    temperature = torch.zeros(rows, device=DEV)
+    seeds, offsets = streams(rows)
+    ids = sample(logits, temperature, seeds, offsets, block=block, num_splits=num_splits)
+    assert torch.equal(ids, logits.float().argmax(-1))
+    assert ids[0] == 0 and ids[1] == 250
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_frequencies_follow_softmax(temperature):
+    # 300 kernel draws (interpreter cost): loose, but tells T from 1/T and catches a biased noise.
+    logits = torch.tensor([2.0, 1.0, 0.0, float("-inf"), -1.0], device=DEV)
+    rows = 300 if DEV == "cpu" else 100_000
+    seeds = torch.full((rows,), 1234, dtype=torch.int64, device=DEV)
+    offsets = torch.arange(rows, dtype=torch.int64, device=DEV)
+    ids = sample(logits.expand(rows, -1), torch.full((rows,), temperature, device=DEV), seeds, offsets)
+    freq = torch.bincount(ids, minlength=5).double().cpu() / rows
+    probs = torch.softmax(logits.double().cpu() / temperature, -1)
+    sigma = (probs * (1 - probs) / rows).sqrt()
+    assert freq[3] == 0  # a -inf logit is never drawn
+    assert ((freq - probs).abs() <= 4.5 * sigma + 1e-3).all(), (freq.tolist(), probs.tolist())
+
+
+def test_noise_is_uniform_and_gumbel_max_draws_softmax():
+    # One long row of the kernel's uniforms (cheap: four columns a Philox call), cut into draws of 4.
+    seeds = torch.tensor([99], dtype=torch.int64, device=DEV)
+    u = sampling_uniforms(seeds, torch.tensor([5], dtype=torch.int64, device=DEV), 1 << 16)
+    assert ((u > 0) & (u < 1)).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    hist = torch.histc(u.cpu(), bins=16, min=0, max=1) / u.numel()
+    assert (hist - 1 / 16).abs().max() < 0.005  # 6 sigma of a bin's frequency
+    draws = u.view(-1, 4)
+    logits = torch.tensor([1.5, 0.0, -0.5, 0.3], device=DEV)
+    t = 0.8
+    ids = ref.sample_reference(logits.expand(draws.shape[0], -1), torch.full((draws.shape[0],), t, device=DEV), draws)
+    freq = torch.bincount(ids, minlength=4).double().cpu() / draws.shape[0]
+    probs = torch.softmax(logits.double().cpu() / t, -1)
+    assert ((freq - probs).abs() <= 4.5 * (probs * (1 - probs) / draws.shape[0]).sqrt()).all()
+
+
+def test_seeded_draws_do_not_depend_on_the_batch():
+    vocab = 37
+    logits = torch.randn(6, vocab, device=DEV)
+    temperature = torch.tensor([1.0, 0.0, 0.9, 1.0, 1.5, 1.0], device=DEV)
+    seeds, offsets = streams(6)
+    batched = sample(logits, temperature, seeds, offsets)
+    for r in (0, 2, 5):
+        alone = sample(logits[r:r + 1], temperature[r:r + 1], seeds[r:r + 1], offsets[r:r + 1])
+        split = sample(logits[r:r + 1], temperature[r:r + 1], seeds[r:r + 1], offsets[r:r + 1], block=4,
+                       num_splits=2)
+        assert alone.item() == split.item() == batched[r].item()
+    # The next offsets of one seed are fresh draws (flat logits: any token may come).
+    flat = torch.zeros(24, vocab, device=DEV)
+    seed = torch.full((24,), 7, dtype=torch.int64, device=DEV)
+    draws = sample(flat, torch.ones(24, device=DEV), seed, torch.arange(100, 124, device=DEV))
+    assert len(set(draws.tolist())) > 8
+    u = sampling_uniforms(seed[:3], torch.tensor([100, 101, 2**33], device=DEV), vocab)
+    other_seed = sampling_uniforms(seed[:1] + 1, torch.tensor([100], device=DEV), vocab)
+    assert (u[0] != u[1]).all() and (u[0] != u[2]).all() and (u[0] != other_seed[0]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_logits(dtype):
+    vocab = 64
+    big = torch.finfo(dtype).max
+    logits = torch.randn(6, vocab, device=DEV).to(dtype)
+    logits[0, :] = float("-inf")  # nothing to draw: 0, as torch.argmax
+    logits[1, :] = float("-inf")
+    logits[1, [5, 40]] = torch.tensor([0.0, 1.0], device=DEV).to(dtype)  # only these two can come
+    logits[2, 17] = big  # overwhelms the noise at any sane temperature
+    logits[2, 3] = -big
+    logits[3, 30] = float("inf")
+    logits[3, 50] = float("inf")  # +inf ties: the first
+    logits[4, :] = big  # all at the top of the range: the noise must not overflow into inf or NaN
+    logits[5, ::2] = float("-inf")
+    temperature = torch.tensor([1.0, 1e-6, 1.0, 3.0, 1e4, 1e-30], device=DEV)
+    seeds, offsets = streams(6)
+    ids = sample(logits, temperature, seeds, offsets)
+    assert ids[0] == 0 and ids[1] in (5, 40) and ids[2] == 17 and ids[3] == 30
+    assert 0 <= ids[4] < vocab and ids[5] % 2 == 1
+    assert_reference_draws(ids, logits, temperature, seeds, offsets)
+
+
+def test_empty_batch_and_argument_checks():
+    seeds, offsets = streams(0)
+    empty = torch.empty(0, 10, device=DEV)
+    assert sample(empty, torch.empty(0, device=DEV), seeds, offsets).shape == (0,)
+    logits = torch.randn(2, 10, device=DEV)
+    with pytest.raises(AssertionError):
+        sample(logits, torch.ones(2, device=DEV), *(x.int() for x in streams(2)))  # int32 seeds
+    with pytest.raises(AssertionError):
+        sample(logits.t(), torch.ones(10, device=DEV), *streams(10))  # column-major
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 7, 256, 512])
+def test_real_shape_matches_reference(rows):
+    vocab = 151936
+    logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
+    temperature = torch.rand(rows, device=DEV) * 1.5
+    temperature[::5] = 0.0
+    seeds, offsets = streams(rows)
+    ids = sample(logits, temperature, seeds, offsets)
+    assert_reference_draws(ids, logits, temperature, seeds, offsets)
+    greedy = temperature == 0
+    assert torch.equal(ids[greedy], logits[greedy].argmax(-1))
+    for block, splits in [(1024, 1), (2048, 5), (256, 37)]:  # launches other than the default agree
+        assert torch.equal(sample(logits, temperature, seeds, offsets, block=block, num_splits=splits), ids)
