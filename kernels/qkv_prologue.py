@@ -66,12 +66,13 @@ def _qkv_prologue_kernel(
         k1_ptr = row + NUM_Q_HEADS * HEAD_DIM + hk[:, None] * HEAD_DIM + j[None, :]
         k1 = tl.load(k1_ptr, mask=kv_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k1_ptr + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-        y1, y2 = _norm_rotate(k1, k2, k_weight_ptr, cos, sin, eps, qkv_ptr, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM)
+        ky1, ky2 = _norm_rotate(k1, k2, k_weight_ptr, cos, sin, eps, qkv_ptr, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM)
+        # (New names: Triton refuses a branch that rebinds q's y1/y2 with another shape.)
         # The cache is contiguous [num_blocks, block_size, H_kv, D]: a slot is a row index.
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + hk[:, None] * HEAD_DIM + j[None, :]
         cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst, y1.to(cache_dtype), mask=kv_mask)
-        tl.store(k_cache_ptr + dst + HALF, y2.to(cache_dtype), mask=kv_mask)
+        tl.store(k_cache_ptr + dst, ky1.to(cache_dtype), mask=kv_mask)
+        tl.store(k_cache_ptr + dst + HALF, ky2.to(cache_dtype), mask=kv_mask)
         v1_ptr = k1_ptr + NUM_KV_HEADS * HEAD_DIM
         v1 = tl.load(v1_ptr, mask=kv_mask, other=0.0)
         v2 = tl.load(v1_ptr + HALF, mask=kv_mask, other=0.0)
