@@ -26,10 +26,16 @@ from controlplane.remote import RemoteDataPlane
 from controlplane.server import build_server
 
 log = logging.getLogger("nanoplane.serve")
+# The engine thread and the gRPC event loop share one GIL. With Python's default 5 ms switch
+# interval, a step result that arrives while the event loop is busy streaming tokens can wait up to
+# 5 ms before the engine thread may schedule the next step, and the GPU idles meanwhile.
+# NANOPLANE_GIL_SWITCH_MS overrides it (measurements; 5 is Python's default).
+GIL_SWITCH_MS = 0.5
 
 
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane, address: str,
                  ready: threading.Event | None = None) -> None:
+    sys.setswitchinterval(float(os.environ.get("NANOPLANE_GIL_SWITCH_MS", GIL_SWITCH_MS)) / 1000)
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
     server = build_server(config, data_plane, address, attach_now=False)
