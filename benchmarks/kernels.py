@@ -1,6 +1,7 @@
 """GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
 
-    python benchmarks/kernels.py [--only decode,prefill,rms_norm,rotary,store,sample] [--dtype bf16]
+    python benchmarks/kernels.py [--only decode,prefill,rms_norm,rotary,store,sample,skinny,skinny_sweep]
+                                 [--dtype bf16]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
 `cold` is triton's do_bench (L2 flushed before each call, one launch per call: what a step sees
@@ -9,6 +10,12 @@ stays warm, so ops whose working set fits the 50 MB L2 can beat the HBM floor). 
 compute-bound, so its line also gives TFLOP/s against 787 (dense bf16). `sample` times the fused
 sampler (kernels.sample) beside the torch path it replaces (dataplane.sampler's fp32 copy, softmax,
 exponential noise, argmax), both against one read of the logits.
+
+`skinny` times kernels.skinny_gemm beside F.linear (cuBLAS) at decode batch sizes, Qwen3-0.6B's
+four linear layers, floor = one read of the weight (+ x and y). Each call reads another copy of the
+weight, enough copies to overflow the L2, so the graph column is what a 28-layer decode step sees
+(L2-warm weights would beat the HBM floor). `skinny_sweep` times the kernel's tile alternatives
+(graph column only) for tuning kernels/skinny_gemm.py's defaults.
 """
 
 import argparse
@@ -26,6 +33,7 @@ from kernels import (  # noqa: E402
     paged_prefill_attention,
     rms_norm,
     sample,
+    skinny_gemm,
     store_kvcache,
 )
 from kernels import reference as ref  # noqa: E402
@@ -49,8 +57,9 @@ def paged(ctx_lens: list[int], page: int, dtype: torch.dtype):
     return k_cache, v_cache, tables, torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
 
 
-def report(name: str, fn, nbytes: int, flops: float = 0.0, check=None, graph: bool = True) -> None:
-    """`graph=False` for an op a CUDA graph cannot capture: its graph column then repeats the cold time."""
+def report(name: str, fn, nbytes: int, flops: float = 0.0, check=None, graph: bool = True) -> float:
+    """`graph=False` for an op a CUDA graph cannot capture: its graph column then repeats the cold time.
+    Returns the graph time (us)."""
     if check is not None:
         got, expected = check()
         err = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
@@ -63,6 +72,7 @@ def report(name: str, fn, nbytes: int, flops: float = 0.0, check=None, graph: bo
     if flops:
         line += f"  {flops / graph / 1e6:6.0f} TFLOP/s ({flops / MATMUL_FLOPS * 1e6:.1f} us at peak)"
     print(line, flush=True)
+    return graph
 
 
 def bench_decode(dtype: torch.dtype) -> None:
@@ -167,13 +177,98 @@ def bench_sample(dtype: torch.dtype) -> None:
                        lambda: sample(logits, t, seeds, offsets, block=block), nbytes)  # noqa: B023
 
 
+# (K, N) of Qwen3-0.6B's linear layers, as one tensor-parallel rank holds them at TP=1.
+SKINNY_SHAPES = {"qkv_proj": (1024, 4096), "o_proj": (2048, 1024), "gate_up_proj": (1024, 6144),
+                 "down_proj": (3072, 1024)}
+SKINNY_ROWS = (1, 4, 8, 16)
+L2_OVERFLOW = 256 << 20  # bytes of weight copies to rotate through: 5x the H200's 50 MB L2
+
+
+def rotating_weights(k: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    one = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    copies = max(1, L2_OVERFLOW // (one.numel() * one.element_size()))
+    return [one] + [one.clone() for _ in range(copies - 1)]
+
+
+def rotating(op, x: torch.Tensor, weights: list[torch.Tensor], **kwargs):
+    """A call of op(x, w) on the next weight copy each time; do_bench_cudagraph unrolls its calls
+    into the graph, so the graph reads the copies in turn as a decode step reads its layers."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(weights)
+        return op(x, weights[state["i"]], **kwargs)
+
+    return call
+
+
+def bench_skinny(dtype: torch.dtype) -> None:
+    esize = torch.finfo(dtype).bits // 8
+    totals = {m: {"skinny_gemm": 0.0, "F.linear": 0.0, "floor": 0.0} for m in SKINNY_ROWS}
+    for name, (k, n) in SKINNY_SHAPES.items():
+        weights = rotating_weights(k, n, dtype)
+        for m in SKINNY_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            nbytes = (n * k + m * k + m * n) * esize
+            check = lambda: (skinny_gemm(x, weights[0]), ref.skinny_gemm_ref(x, weights[0]))  # noqa: B023
+            label = f"{name} M={m} K={k} N={n}"
+            total = totals[m]
+            total["skinny_gemm"] += report(f"skinny_gemm {label}", rotating(skinny_gemm, x, weights), nbytes,
+                                           check=check)
+            total["F.linear"] += report(f"F.linear    {label}", rotating(torch.nn.functional.linear, x, weights),
+                                        nbytes)
+            total["floor"] += nbytes / BANDWIDTH * 1e6
+    for m, total in totals.items():
+        print(f"== M={m}: the four layers (graph) skinny_gemm {total['skinny_gemm']:.1f} us, "
+              f"F.linear {total['F.linear']:.1f} us, floor {total['floor']:.1f} us", flush=True)
+
+
+# Alternatives to the launcher's choice: (use_dot, block_n, block_k, num_stages, num_warps); None = default.
+SKINNY_SWEEP = [(None, None, None, None, 4),
+                (False, 4, None, None, 4), (False, 8, None, None, 4), (False, 16, None, None, 4),
+                (False, 32, None, None, 4), (False, None, None, 2, 4), (False, None, None, 4, 4),
+                (False, None, None, None, 8),
+                (True, 16, None, None, 4), (True, 32, None, None, 4), (True, 16, 256, None, 4),
+                (True, 16, None, 3, 4), (True, 16, None, 5, 4)]
+
+
+def bench_skinny_sweep(dtype: torch.dtype) -> None:
+    from kernels.skinny_gemm import _config, _num_sms
+
+    esize = torch.finfo(dtype).bits // 8
+    for name, (k, n) in SKINNY_SHAPES.items():
+        weights = rotating_weights(k, n, dtype)
+        floor = n * k * esize / BANDWIDTH * 1e6
+        for m in SKINNY_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            expected = ref.skinny_gemm_ref(x, weights[0])
+            for use_dot, block_n, block_k, stages, warps in SKINNY_SWEEP:
+                if use_dot is False and block_n is not None and block_n < triton.next_power_of_2(m):
+                    continue  # x would be re-read more than the weight: not a candidate
+                tiles = dict(use_dot=use_dot, block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps)
+                picked = _config(m, n, k, esize, _num_sms(x.device), use_dot, block_n, block_k, stages)
+                label = (f"{name} M={m:<2} {'dot' if picked[0] else 'fma'} BM={picked[1]:<2} BN={picked[2]:<2} "
+                         f"BK={picked[3]:<4} stages={picked[4]} warps={warps}{' (default)' if use_dot is None else ''}")
+                try:
+                    got = skinny_gemm(x, weights[0], **tiles)
+                    err = ((got.float() - expected).norm() / expected.norm()).item()
+                    assert err < 2e-2, f"relative error {err:.2e}"
+                    t = triton.testing.do_bench_cudagraph(rotating(skinny_gemm, x, weights, **tiles), rep=30) * 1e3
+                except Exception as e:  # a tile that does not compile (shared memory) must not end the sweep
+                    print(f"{label:<84} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}", flush=True)
+                    continue
+                print(f"{label:<84} {t:7.2f} us  {floor / t:6.1%} of floor", flush=True)
+
+
 BENCHES = {"decode": bench_decode, "prefill": bench_prefill, "rms_norm": bench_rms_norm,
-           "rotary": bench_rotary, "store": bench_store, "sample": bench_sample}
+           "rotary": bench_rotary, "store": bench_store, "sample": bench_sample, "skinny": bench_skinny,
+           "skinny_sweep": bench_skinny_sweep}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of " + ",".join(BENCHES))
+    default = ",".join(name for name in BENCHES if name != "skinny_sweep")  # the sweep is for tuning only
+    parser.add_argument("--only", default=default, help="comma-separated subset of " + ",".join(BENCHES))
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"

@@ -16,6 +16,7 @@ __all__ = [
     "rms_norm",
     "sample",
     "silu_and_mul",
+    "skinny_gemm",
     "store_kvcache",
 ]
 
@@ -27,6 +28,7 @@ if importlib.util.find_spec("triton") is not None:
     from kernels.rmsnorm import rms_norm
     from kernels.rotary import apply_rotary
     from kernels.sampling import sample
+    from kernels.skinny_gemm import skinny_gemm
     from kernels.store_kvcache import store_kvcache
 else:
 

@@ -171,3 +171,9 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, uniforms: 
     t = temperature.float().unsqueeze(1)
     noisy = x + t * -torch.log(-torch.log(uniforms.float()))
     return torch.where(t > 0, noisy, x).argmax(dim=-1)
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in fp32: x [M, K] @ weight[N, K]^T (+ bias[N]) -> fp32 [M, N] (TF32 must be off, torch's default)."""
+    y = x.float() @ weight.float().T
+    return y + bias.float() if bias is not None else y

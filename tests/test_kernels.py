@@ -28,6 +28,7 @@ from kernels import (  # noqa: E402
     qkv_prologue,
     rms_norm,
     silu_and_mul,
+    skinny_gemm,
     store_kvcache,
 )
 from kernels import reference as ref  # noqa: E402
@@ -256,6 +257,67 @@ def test_silu_and_mul(dtype, intermediate):
         assert (out != same_dtype).float().mean().item() < 0.02
 
 
+def check_skinny_gemm(m, n, k, dtype, with_bias, tol, **tiles):
+    """skinny_gemm against the fp32 reference on fresh inputs, x a row-strided view, out poisoned."""
+    x = torch.randn(m, k + 8, device=DEV).to(dtype)[:, 3 : k + 3]
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)  # unit-scale outputs
+    bias = torch.randn(n, device=DEV).to(dtype) if with_bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEV)
+    got = skinny_gemm(x, w, bias, out=out, **tiles)
+    assert got is out and rel_err(out, ref.skinny_gemm_ref(x, w, bias)) < tol
+    return x, w, bias, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k", [(37, 100), (64, 256)])  # odd sizes (K and N tails), block multiples
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("use_dot", [False, True])
+def test_skinny_gemm(dtype, m, n, k, with_bias, use_dot):
+    if dtype == torch.bfloat16 and use_dot and not torch.cuda.is_available():
+        pytest.skip("the interpreter cannot tl.dot bf16")
+    check_skinny_gemm(m, n, k, dtype, with_bias, TOL[dtype], use_dot=use_dot)
+
+
+@pytest.mark.parametrize("use_dot,block_n,block_k,num_stages", [
+    (False, 4, 32, 3),  # many programs, N tail, several K steps with a K tail
+    (False, 8, 128, 2),
+    (True, 16, 32, 4),
+    (True, 32, 64, 1),
+])
+@pytest.mark.parametrize("m,n,k", [(5, 37, 100), (16, 64, 256), (37, 40, 96)])  # 37 rows: two M tiles
+def test_skinny_gemm_tiles(use_dot, block_n, block_k, num_stages, m, n, k):
+    """The tiles a GPU launch picks (on a CPU the launcher takes the largest): small BLOCK_N, K loops."""
+    check_skinny_gemm(m, n, k, torch.float32, True, TOL[torch.float32], use_dot=use_dot, block_n=block_n,
+                      block_k=block_k, num_stages=num_stages)
+
+
+def test_skinny_gemm_in_linear_layers(monkeypatch):
+    """With fused kernels on, linear layers send 1..16 rows through skinny_gemm; results equal F.linear's."""
+    import kernels
+    from models.layers.fused import enable_fused_kernels, fused_kernels_enabled
+    from models.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    calls = []
+    monkeypatch.setattr(kernels, "skinny_gemm", lambda *a: calls.append(a[0].shape[0]) or skinny_gemm(*a))
+    qkv, row = QKVParallelLinear(64, 16, 4, 2, bias=True), RowParallelLinear(64, 48, bias=True)
+    for layer in (qkv, row):
+        for p in layer.parameters():
+            p.data.normal_()
+        layer.to(DEV)
+    before = fused_kernels_enabled()
+    enable_fused_kernels(True)
+    try:
+        for t in (1, 16, 17):
+            x = torch.randn(t, 64, device=DEV)
+            for layer in (qkv, row):
+                expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+                assert rel_err(layer(x), expected) < TOL[torch.float32]
+    finally:
+        enable_fused_kernels(before)
+    assert calls == [1, 1, 16, 16]  # 17 rows stay on F.linear
+
+
 # ---- real shapes, GPU only ------------------------------------------------------------------
 
 
@@ -316,3 +378,27 @@ def test_qkv_prologue_and_silu_gpu():
     x = torch.randn(4096, 2 * 3072, device=DEV, dtype=torch.bfloat16)
     out = silu_and_mul(x)
     assert torch.equal(out, ref.silu_and_mul_ref(x)) or (out != ref.silu_and_mul_ref(x)).float().mean() < 0.001
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024),  # Qwen3-0.6B
+                                 (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)])  # Qwen3-8B
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_skinny_gemm_gpu(k, n, m):
+    """bf16 at the real decode shapes, both inner products, in and out of a CUDA graph."""
+    dtype = torch.bfloat16
+    for use_dot in (None, False, True):
+        x, w, bias, out = check_skinny_gemm(m, n, k, dtype, use_dot is None, 4e-3, use_dot=use_dot)
+        again = skinny_gemm(x, w, bias, use_dot=use_dot)
+        assert torch.equal(again, out)  # one program per output: no order that could vary between runs
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
+    skinny_gemm(x, w)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_gemm(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, ref.skinny_gemm_ref(x, w)) < 4e-3
