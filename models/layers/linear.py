@@ -7,6 +7,8 @@ checkpoint tensors in one weight; their loader is told which part (`shard_id`) i
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,7 +19,8 @@ from models.layers.parallel import divide, tp_rank, tp_size
 
 # Up to this many rows (a small-batch decode step) a linear layer only streams its weight, which
 # kernels.skinny_gemm does in one launch where cuBLAS spends ~3x the bytes' time.
-SKINNY_MAX_ROWS = 16
+# NANOPLANE_SKINNY_MAX_ROWS moves the threshold (0: cuBLAS always), for measurements.
+SKINNY_MAX_ROWS = int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "16"))
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
