@@ -293,11 +293,14 @@ def test_skinny_gemm_tiles(use_dot, block_n, block_k, num_stages, m, n, k):
 
 
 def test_skinny_gemm_in_linear_layers(monkeypatch):
-    """With fused kernels on, linear layers send 1..16 rows through skinny_gemm; results equal F.linear's."""
+    """With fused kernels on, linear layers send 1..SKINNY_MAX_ROWS rows through skinny_gemm; results equal
+    F.linear's."""
     import kernels
+    from models.layers import linear
     from models.layers.fused import enable_fused_kernels, fused_kernels_enabled
     from models.layers.linear import QKVParallelLinear, RowParallelLinear
 
+    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", 16)  # the default is tuned on a GPU; this tests the routing
     calls = []
     monkeypatch.setattr(kernels, "skinny_gemm", lambda *a: calls.append(a[0].shape[0]) or skinny_gemm(*a))
     qkv, row = QKVParallelLinear(64, 16, 4, 2, bias=True), RowParallelLinear(64, 48, bias=True)
