@@ -14,6 +14,7 @@ Prints output tokens/s beside the card's floor (design.md: ~36,400 tok/s on one 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
@@ -206,14 +207,40 @@ def main() -> None:
     llm.close()
 
 
-def run_service(path: Path, args: argparse.Namespace) -> None:
-    """The same workload through `nanoplane serve`: one client process drives all 256 streams."""
-    import asyncio
-
-    import psutil
+async def drive_streams(address: str, prompts: list[list[int]], max_tokens: list[int],
+                        desc: str) -> tuple[int, int, float]:
+    """One client, every prompt as its own concurrent stream (temperature 0.6, ignore_eos): returns
+    (output tokens, messages received, seconds)."""
     from tqdm.auto import tqdm
 
-    from clients.client import AsyncClient, Client
+    from clients.client import AsyncClient
+
+    client = AsyncClient(address)
+    bar = tqdm(total=len(prompts), desc=desc, dynamic_ncols=True)
+    tokens, messages = [], []
+
+    async def one(prompt: list[int], n: int) -> None:
+        got = chunks = 0
+        async for chunk in client.generate(prompt, temperature=0.6, max_tokens=n, ignore_eos=True):
+            got += len(chunk.token_ids)
+            chunks += 1
+        tokens.append(got)
+        messages.append(chunks)
+        bar.update(1)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
+    elapsed = time.perf_counter() - t
+    bar.close()
+    await client.close()
+    return sum(tokens), sum(messages), elapsed
+
+
+def run_service(path: Path, args: argparse.Namespace) -> None:
+    """The same workload through `nanoplane serve`: one client process drives all 256 streams."""
+    import psutil
+
+    from clients.client import Client
     from controlplane.cli import serve_in_background
 
     flags = ["--model", str(path), "--max-model-len", "4096", "--attention-backend", args.attention_backend,
@@ -224,27 +251,8 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
         prompts, max_tokens = workload(args.num_seqs)
         warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
 
-        async def drive(prompts: list[list[int]], max_tokens: list[int], desc: str) -> tuple[int, float]:
-            client = AsyncClient(address)
-            bar = tqdm(total=len(prompts), desc=desc, dynamic_ncols=True)
-            counts = []
-
-            async def one(prompt: list[int], n: int) -> None:
-                got = 0
-                async for chunk in client.generate(prompt, temperature=0.6, max_tokens=n, ignore_eos=True):
-                    got += len(chunk.token_ids)
-                counts.append(got)
-                bar.update(1)
-
-            t = time.perf_counter()
-            await asyncio.gather(*(one(p, n) for p, n in zip(prompts, max_tokens, strict=True)))
-            elapsed = time.perf_counter() - t
-            bar.close()
-            await client.close()
-            return sum(counts), elapsed
-
-        asyncio.run(drive(warm_prompts, warm_tokens, "Warm-up"))
-        total, elapsed = asyncio.run(drive(prompts, max_tokens, "Streams"))
+        asyncio.run(drive_streams(address, warm_prompts, warm_tokens, "Warm-up"))
+        total, _, elapsed = asyncio.run(drive_streams(address, prompts, max_tokens, "Streams"))
         procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         rss = {p.pid: p.memory_info().rss / 2**30 for p in procs}
         print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | RSS GiB per process (serve first) |")

@@ -68,6 +68,12 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if not final and full_text == prefix_text and not self._decode(self.token_ids[self.read_offset:]):
+            # Ids that decode to nothing, alone and in context (skipped special tokens, ids the
+            # tokenizer does not know): drop them, or every later step would decode a window that
+            # grows with them (quadratic in the output's length).
+            del self.token_ids[self.read_offset:]
+            return ""
         if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT)):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)

@@ -78,9 +78,13 @@ class Engine:
         params.validate()
         if len(token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
-        for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in [0, {self.vocab_size})")
+        # The common case in C-speed passes (this runs for every request, on the engine thread too);
+        # the per-id loop only finds the culprit for the message.
+        if not (all(type(t) is int for t in token_ids) and min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            for i, t in enumerate(token_ids):
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in "
+                                     f"[0, {self.vocab_size})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "

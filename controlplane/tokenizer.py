@@ -15,6 +15,10 @@ class Tokenizer:
             raise ValueError(f"model folder {model_dir!r} has no tokenizer.json (a fast tokenizer is required)")
         self.hf = PreTrainedTokenizerFast.from_pretrained(model_dir)
         self.eos_token_ids = self._eos_ids(Path(model_dir))
+        # The detokenizer decodes a short window per stream per step, tens of thousands a second in a
+        # busy server: call the Rust tokenizer directly, skipping transformers' per-id Python checks,
+        # unless the tokenizer asks for transformers' clean-up of spaces, which only it implements.
+        self._backend_decode = None if self.hf.clean_up_tokenization_spaces else self.hf.backend_tokenizer.decode
 
     def _eos_ids(self, model_dir: Path) -> tuple[int, ...]:
         # generation_config.json may list several end tokens (chat models end turns with their own).
@@ -32,6 +36,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=True)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property

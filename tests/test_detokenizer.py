@@ -171,3 +171,20 @@ def test_text_stream_flushes_held_text_at_finish(tok):
     text = "".join(ts.push([i]) for i in ids)
     assert text == "fox "  # "jumps" could still become the stop string
     assert ts.push([], finished=True) == "jumps" and not ts.stopped
+
+
+def test_ids_that_decode_to_nothing_do_not_grow_the_window(tok):
+    """Skipped special tokens and ids the tokenizer does not know add no text; a long run of them must
+    neither change the text nor make every later decode longer (a random-weight model samples such ids
+    all the time, and a real one may repeat a special token)."""
+    words = tok.encode("the quick brown fox", add_special_tokens=False)
+    nothing = [tok.eos_token_id, VOCAB + 5, 10**6]
+    ids = words[:2] + nothing * 300 + words[2:] + nothing * 300
+    detok = IncrementalDetokenizer(tok)
+    pieces, longest = [], 0
+    for i in ids:
+        pieces.append(detok.push([i]))
+        longest = max(longest, len(detok.token_ids))
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == "the quick brown fox"
+    assert longest < 70  # bounded by the window, not by the 1,800 empty ids

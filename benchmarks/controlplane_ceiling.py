@@ -1,0 +1,136 @@
+"""How many tokens per second the control plane alone can stream: the gRPC server, engine thread,
+scheduler and detokenizer of `nanoplane serve`, over a data plane that answers every step at once.
+
+The throughput benchmark's service mode through a GPU data plane is bounded by this ceiling too, so
+it says what the control-plane process costs without a GPU (runs on any machine). Same workload as
+benchmarks/throughput.py (256 streams from one client process, nano-vllm's prompt and output
+lengths, the same tokenizer and vocabulary); the "data plane" samples uniform random ids and may be
+told to take `--step-ms` per step, as a GPU would.
+
+    python benchmarks/controlplane_ceiling.py [--step-ms 0] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import multiprocessing as mp
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput import QWEN3_06B, drive_streams, warmup_workload, workload  # noqa: E402
+
+from proto.plane import PlaneInfo, StepDescriptor, StepResult  # noqa: E402
+
+
+class InstantDataPlane:
+    """Answers each step after `step_s` with random ids from the whole vocabulary; never EOS (the
+    workload ignores it anyway). Holds no state: the control plane cannot tell it from a real one."""
+
+    def __init__(self, vocab_size: int, step_s: float, num_blocks: int = 8192, block_size: int = 256):
+        self.vocab_size, self.step_s = vocab_size, step_s
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.rng = np.random.default_rng(0)
+        self.pending: dict[int, tuple[float, int]] = {}
+        self.busy_until = 0.0  # steps run one after the other, as on a GPU
+        self.steps = self.prefill_steps = 0
+
+    def start(self) -> list[PlaneInfo]:
+        return [PlaneInfo(0, 1, 0, self.num_blocks, self.block_size, 256, 4096, self.vocab_size,
+                          "InstantDataPlane", "cpu", "bfloat16")]
+
+    def submit(self, desc: StepDescriptor) -> None:
+        self.steps += 1
+        self.prefill_steps += bool((desc.num_scheduled > 1).any() or len(desc.new_requests))
+        self.busy_until = max(time.perf_counter(), self.busy_until) + self.step_s
+        self.pending[desc.step_id] = (self.busy_until, len(desc.slots))
+
+    def collect(self, step_id: int) -> StepResult:
+        due, rows = self.pending.pop(step_id)
+        if (wait := due - time.perf_counter()) > 0:
+            time.sleep(wait)
+        return StepResult(step_id, self.rng.integers(1, self.vocab_size, rows, dtype=np.int32))
+
+    def execute(self, desc: StepDescriptor) -> StepResult:
+        self.submit(desc)
+        return self.collect(desc.step_id)
+
+    def close(self) -> None:
+        print(f"data plane: {self.steps} steps, {self.prefill_steps} with prefill rows", flush=True)
+
+
+def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event) -> None:
+    """The control plane as `nanoplane serve` runs it (0.5 ms GIL switch interval), in this process."""
+    from controlplane import serve as serve_module
+    from controlplane.async_engine import AsyncEngine
+    from controlplane.config import EngineConfig
+    from controlplane.server import build_server
+
+    sys.setswitchinterval(serve_module.GIL_SWITCH_MS / 1000)
+    engine_profile, loop_profile = cProfile.Profile(), cProfile.Profile()
+    if profile:  # the engine thread has its own profiler: cProfile sees one thread at a time
+        run = AsyncEngine._run
+        AsyncEngine._run = lambda self: engine_profile.runcall(run, self)
+
+    async def main() -> None:
+        config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
+        server = build_server(config, InstantDataPlane(QWEN3_06B["vocab_size"], step_s))
+        port_queue.put(await server.start())
+        while not stop_event.is_set():
+            await asyncio.sleep(0.05)
+        await server.stop(grace=1.0)
+
+    if profile:
+        loop_profile.enable()
+    asyncio.run(main())
+    if profile:
+        loop_profile.disable()
+        for name, prof in (("gRPC event loop", loop_profile), ("engine thread", engine_profile)):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+            print(f"== {name}: top functions by own time ==\n" + out.getvalue().split("\n\n", 2)[-1], flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--step-ms", type=float, default=0.0, help="time the fake data plane takes per step")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--profile", action="store_true", help="cProfile the server's two threads")
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_models import make_tokenizer
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        make_tokenizer(Path(model_dir))  # what the GPU benchmark's random checkpoint uses
+        (Path(model_dir) / "config.json").write_text(json.dumps(QWEN3_06B))
+        ctx = mp.get_context("spawn")
+        port_queue, stop_event = ctx.Queue(), ctx.Event()
+        server = ctx.Process(target=serve, args=(model_dir, args.step_ms / 1000, args.profile, port_queue, stop_event))
+        server.start()
+        try:
+            address = f"127.0.0.1:{port_queue.get(timeout=60)}"
+            asyncio.run(drive_streams(address, *warmup_workload(args.num_seqs), "Warm-up"))
+            tokens, messages, elapsed = asyncio.run(drive_streams(address, *workload(args.num_seqs), "Streams"))
+        finally:
+            stop_event.set()
+            server.join(timeout=30)
+            if server.is_alive():
+                server.kill()
+    print("| data plane step | output tokens | time (s) | tok/s | messages/s | tokens per message |")
+    print(f"| {args.step_ms:g} ms | {tokens} | {elapsed:.2f} | {tokens / elapsed:,.0f} | {messages / elapsed:,.0f} | "
+          f"{tokens / messages:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
