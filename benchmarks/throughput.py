@@ -252,13 +252,14 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
         warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
 
         asyncio.run(drive_streams(address, warm_prompts, warm_tokens, "Warm-up"))
-        total, _, elapsed = asyncio.run(drive_streams(address, prompts, max_tokens, "Streams"))
+        total, messages, elapsed = asyncio.run(drive_streams(address, prompts, max_tokens, "Streams"))
         procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
         rss = {p.pid: p.memory_info().rss / 2**30 for p in procs}
-        print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | RSS GiB per process (serve first) |")
+        print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | messages/s (tokens each) "
+              "| RSS GiB per process (serve first) |")
         print(f"| service {args.shape} TP={args.tensor_parallel_size} | {total} | {elapsed:.2f} | "
               f"{total / elapsed:,.0f} | {floor_cells(args.shape, args.tensor_parallel_size, total / elapsed)} | "
-              f"{', '.join(f'{v:.1f}' for v in rss.values())} |")
+              f"{messages / elapsed:,.0f} ({total / messages:.2f}) | {', '.join(f'{v:.1f}' for v in rss.values())} |")
 
 if __name__ == "__main__":
     main()
