@@ -1,8 +1,8 @@
 """The gated activation of Llama-family MLPs, silu(gate) * up, in one pass.
 
 Unfused it is two launches and a [T, I] intermediate written and read back; in a 16k-token prefill
-step that was ~8% of the step's GPU time. Rounding follows torch: silu in fp32 rounded to the model
-dtype, then the product rounded.
+step of Qwen3-0.6B that was 7.5 of the step's 46 ms of GPU time, fused it is 2.0 ms (BENCHMARKS.md).
+Rounding follows torch: silu in fp32 rounded to the model dtype, then the product rounded.
 """
 
 import torch
