@@ -71,13 +71,13 @@ class InstantDataPlane:
 
 
 def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event) -> None:
-    """The control plane as `nanoplane serve` runs it (0.5 ms GIL switch interval), in this process."""
-    from controlplane import serve as serve_module
+    """The control plane as `nanoplane serve` runs it (its GIL switch interval too), in this process."""
     from controlplane.async_engine import AsyncEngine
     from controlplane.config import EngineConfig
+    from controlplane.serve import set_gil_switch_interval
     from controlplane.server import build_server
 
-    sys.setswitchinterval(serve_module.GIL_SWITCH_MS / 1000)
+    set_gil_switch_interval()
     engine_profile, loop_profile = cProfile.Profile(), cProfile.Profile()
     if profile:  # the engine thread has its own profiler: cProfile sees one thread at a time
         run = AsyncEngine._run

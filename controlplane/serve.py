@@ -33,9 +33,14 @@ log = logging.getLogger("nanoplane.serve")
 GIL_SWITCH_MS = 0.5
 
 
+def set_gil_switch_interval() -> None:
+    """The control plane's GIL switch interval: GIL_SWITCH_MS, or NANOPLANE_GIL_SWITCH_MS if set."""
+    sys.setswitchinterval(float(os.environ.get("NANOPLANE_GIL_SWITCH_MS", GIL_SWITCH_MS)) / 1000)
+
+
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane, address: str,
                  ready: threading.Event | None = None) -> None:
-    sys.setswitchinterval(float(os.environ.get("NANOPLANE_GIL_SWITCH_MS", GIL_SWITCH_MS)) / 1000)
+    set_gil_switch_interval()
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
     server = build_server(config, data_plane, address, attach_now=False)
