@@ -9,9 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_prologue
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
@@ -33,6 +37,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         block = min(1024, triton.next_power_of_2(intermediate))
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
             x, out, x.stride(0), out.stride(0), INTERMEDIATE=intermediate, BLOCK=block,
-            num_warps=4 if block >= 512 else 1,
+            num_warps=4 if block >= 512 else 1, **pdl_args(x.device),
         )
     return out

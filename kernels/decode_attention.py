@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_prologue
+
 # Tokens per inner-loop tile. Independent of the cache's block size: each token's page is looked
 # up on its own, so a tile may straddle pages (small blocks) or cover part of one (large blocks).
 _BLOCK_N = 64
@@ -29,7 +31,9 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,7 +94,9 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -153,13 +159,13 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, 
         PAGE_SIZE=page_size, DIRECT=direct,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(q.device),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](
             out, part_acc, part_m, part_l, num_splits, out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4, **pdl_args(q.device),
         )
     return out
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_prologue
+
 _BLOCK_M = 64  # query rows (tokens x heads of a group) per program
 _BLOCK_N = 64  # keys per inner-loop tile; independent of the cache's block size
 
@@ -52,8 +54,9 @@ def _prefill_kernel(
     scale_log2e, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     # Last query tiles of a sequence see the most keys: launch them first so they do not trail.
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -111,7 +114,7 @@ def _launch_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_table
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=_BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(q.device),
     )
     return out
 

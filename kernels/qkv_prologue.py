@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_prologue
+
 
 @triton.jit
 def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, like_ptr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
@@ -38,7 +40,9 @@ def _qkv_prologue_kernel(
     stride_t, stride_c, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     # One program per token: its cos/sin row serves every head, and q, k and v sit in one row.
     token = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + token * stride_t
@@ -119,6 +123,6 @@ def qkv_prologue(
             slot_mapping, k_cache, v_cache, qkv.stride(0), cos_sin_cache.stride(0), eps,
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=block_half,
-            HAS_NORM=has_norm, num_warps=4 if block_hq * block_half >= 1024 else 1,
+            HAS_NORM=has_norm, num_warps=4 if block_hq * block_half >= 1024 else 1, **pdl_args(qkv.device),
         )
     return qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)

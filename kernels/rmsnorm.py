@@ -4,13 +4,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_prologue
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr, residual_ptr, residual_out_ptr,
     stride_x, stride_out, stride_r, stride_ro, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -44,7 +47,7 @@ def _launch_rms_norm(x, weight, eps, residual, out, residual_out):
         residual_out.stride(0) if has_residual else 0,
         eps,
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=has_residual,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=min(16, max(1, block // 512)), **pdl_args(x.device),
     )
 
 

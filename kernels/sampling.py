@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_prologue
+
 # Index no column reaches: marks "nothing seen yet" in the running argmax.
 _NONE = tl.constexpr(2**31 - 1)
 # Smallest uniform let through: tl.rand can return 0, whose Gumbel noise would be -inf (and whose
@@ -80,9 +82,10 @@ def _scan(row_ptr, seed, base, start, stop, VQ, V, t, BLOCK: tl.constexpr, NOISE
 def _sample_kernel(
     logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, out_ptr, part_val_ptr, part_idx_ptr,
     stride_row, V, VQ, SPAN,
-    BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (row, split): split s covers quarter indices [s * SPAN, (s + 1) * SPAN)."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -104,7 +107,8 @@ def _sample_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(part_val_ptr, part_idx_ptr, out_ptr, NUM_SPLITS, BLOCK: tl.constexpr):
+def _reduce_splits_kernel(part_val_ptr, part_idx_ptr, out_ptr, NUM_SPLITS, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK)
     mask = s < NUM_SPLITS
@@ -196,9 +200,11 @@ def sample(
         logits, temperature, seeds, offsets, out, part_val, part_idx,
         logits.stride(0), vocab, quarter, span,
         BLOCK=block, SPLIT=split, num_warps=min(8, max(1, block // 128)),
+        **pdl_args(logits.device),
     )
     if split:
-        _reduce_splits_kernel[(rows,)](part_val, part_idx, out, num_splits, BLOCK=triton.next_power_of_2(num_splits))
+        _reduce_splits_kernel[(rows,)](part_val, part_idx, out, num_splits, BLOCK=triton.next_power_of_2(num_splits),
+                                        **pdl_args(logits.device))
     return out
 
 

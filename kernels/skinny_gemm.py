@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_prologue
+
 # Rows up to which the CUDA-core path is the default (to be confirmed on a GPU with
 # `benchmarks/kernels.py --only skinny_sweep`).
 _FMA_MAX_M = 4
@@ -52,8 +54,9 @@ def _skinny_gemm_kernel(
     M, N, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -181,6 +184,6 @@ def skinny_gemm(
         K=k, HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models stay exact (no TF32)
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),
     )
     return y

@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel is launched while the one before
+it in the stream still runs, and waits on the device (`griddepcontrol.wait`) for its results.
+
+A decode step at a few rows is ~300 small kernels in a CUDA graph, each a few microseconds, and
+the gap between two dependent kernels (grid launch, CTAs rasterised onto SMs) is a large share of
+each (BENCHMARKS.md: one row's graph ran 0.94 ms against a 0.31 ms weight-read floor). With PDL
+that gap overlaps the previous kernel's tail.
+
+The contract every kernel launched with `pdl_args` keeps: `pdl_prologue()` first, before any
+global memory read or write. Its wait returns once the previous grid has completed and its writes
+are visible, so a kernel never reads an unfinished result, nor overwrites a buffer its predecessor
+still reads; completion is transitive (the predecessor itself waited on its own). Kernels launched
+without PDL (cuBLAS, torch ops) keep the stream's usual full ordering.
+
+`NANOPLANE_PDL=0` turns it off; it is off on CPUs (the interpreter) and before compute capability 9.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a triton without grid dependency control: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+    _MISSING = True
+else:
+    _MISSING = False
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("NANOPLANE_PDL", "1") == "0" or _MISSING:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and _supported(device.index if device.index is not None else 0)
+
+
+def pdl_args(device: torch.device) -> dict:
+    """Launch keywords of a kernel that takes `USE_PDL: tl.constexpr` and starts with `pdl_prologue`."""
+    on = pdl_enabled(device)
+    return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        # Wait first, then let the next kernel launch: its CTAs then overlap this kernel's work,
+        # not a chain of kernels all parked at their waits.
+        gdc_wait()
+        gdc_launch_dependents()
