@@ -108,7 +108,7 @@ def main() -> None:
         print(f"\n## batch {batch}: cProfile own time over {len(times)} steps "
               f"(median profiled step {sorted(times)[len(times) // 2] * 1e3:.2f} ms)")
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[-(args.top + 3) * 200:])
-    print("\n| batch | step ms (median, wall) | decode graph GPU ms | replay() host ms |")
+    print("\n| batch | step ms (median, wall) | model graph (with LM head) GPU ms | replay() host ms |")
     for batch, wall, gpu_ms, replay_host_ms in rows:
         print(f"| {batch} | {wall:.3f} | {gpu_ms:.3f} | {replay_host_ms:.3f} |")
     llm.close()

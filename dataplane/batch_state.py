@@ -21,7 +21,9 @@ class BatchState:
     def __init__(self, num_slots: int, max_model_len: int, block_size: int, device: torch.device):
         self.num_slots, self.max_model_len, self.block_size = num_slots, max_model_len, block_size
         self.max_blocks = -(-max_model_len // block_size)
-        self.token_buf = torch.zeros(num_slots, max_model_len, dtype=torch.int64, device=device)
+        # One spare row and column: CUDA-graph padding rows read the spare row and write every
+        # sampled token nobody needs (padding, a request at max_model_len) to the spare column.
+        self.token_buf = torch.zeros(num_slots + 1, max_model_len + 1, dtype=torch.int64, device=device)
         self.block_tables = np.zeros((num_slots, self.max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(num_slots, dtype=np.int32)
         self.num_known = np.zeros(num_slots, dtype=np.int32)  # tokens this slot holds

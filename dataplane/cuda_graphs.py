@@ -1,16 +1,35 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at start-up.
+"""CUDA graphs for decode steps: per batch-size bucket, captured at start-up, padded replay.
 
-A decode step launches a few hundred small kernels; replaying a captured graph launches them as one.
-Inputs go through static buffers that the graphs were captured on; a batch is padded up to the next
-bucket with rows that write nothing (slot -1) and attend to nothing (context length 0).
+A decode step at a few rows is bound by fixed costs: a few hundred small kernels, and on the host
+the uploads and small torch calls around them. So a bucket's graph holds as much of the step as
+has a fixed shape (BENCHMARKS.md, step anatomy):
+
+- the model graph: the input tokens gathered from the token buffer, the model, and on a single
+  rank the LM head, so its output is the logits;
+- two tail graphs (single rank): greedy (argmax) or the fused sampler for rows without filters,
+  each writing the sampled ids into the token buffer (the next step's inputs) and into an int32
+  buffer the host copies back. Steps with top-k/top-p/min-p rows, and tensor-parallel steps,
+  sample eagerly from the graph's output instead.
+
+Inputs land in static buffers with one host-to-device copy per dtype, laid out per bucket so that
+each copy is contiguous. Padding rows read the token buffer's spare row, write the spare column,
+store no KV (slot -1) and attend to nothing (context length 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 from torch import nn
 
+from dataplane.uploader import Uploader
 from models.context import AttentionContext, reset_context, set_context
+
+# int64 rows of a bucket's static input block: token-buffer row, position, KV slot, position the
+# sampled token is written to, sampler key, sampler offset.
+_I64_ROWS = 6
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -21,56 +40,131 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_batch: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.model = model
+    def __init__(self, model: nn.Module, token_buf: torch.Tensor, max_batch: int, max_blocks: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, with_head: bool,
+                 sample: Callable | None = None):
+        """`token_buf`: [slots + 1, max_len + 1] int64, the spare row and column for padding rows.
+        `with_head`: the graph ends in the LM head and the tail graphs are captured (single rank);
+        `sample(logits, temperature, keys, offsets)` is the fused sampler, None for argmax only."""
+        self.model, self.token_buf, self.with_head = model, token_buf, with_head
         self.sizes = bucket_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.max_batch = n = self.sizes[-1]
+        self.pad_row, self.pad_col = token_buf.shape[0] - 1, token_buf.shape[1] - 1
+        self.i64 = torch.zeros(_I64_ROWS * n, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(2 * n, dtype=torch.int32, device=device)  # context lengths, temperature bits
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.sampled = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._capture()
+        self.greedy_tails: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_tails: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # per bucket: logits (with_head) or hidden states
+        self._capture(sample)
 
-    def _context(self, bs: int) -> AttentionContext:
-        # max_context_len is a host value only the torch backend reads, and it never runs in a graph.
-        return AttentionContext(is_decode=True, slot_mapping=self.slot_mapping[:bs],
-                                cu_seqlens_q=self.cu_seqlens_q[:bs + 1], max_seqlen_q=1,
-                                context_lens=self.context_lens[:bs], max_context_len=0,
-                                block_tables=self.block_tables[:bs])
+    def _inputs(self, bs: int) -> tuple[torch.Tensor, ...]:
+        """Views of the static buffers as bucket `bs` lays them out (each dtype's block contiguous)."""
+        rows = self.i64[: _I64_ROWS * bs].view(_I64_ROWS, bs)
+        return (*rows, self.i32[:bs], self.i32[bs: 2 * bs].view(torch.float32))
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        slots, positions, slot_mapping, _, _, _, context_lens, _ = self._inputs(bs)
+        set_context(AttentionContext(is_decode=True, slot_mapping=slot_mapping,
+                                     cu_seqlens_q=self.cu_seqlens_q[:bs + 1], max_seqlen_q=1,
+                                     context_lens=context_lens, max_context_len=0,
+                                     block_tables=self.block_tables[:bs]))
+        try:
+            hidden = self.model(self.token_buf[slots, positions], positions)
+            if self.with_head:
+                return self.model.compute_logits(hidden)
+            # Without the head the output goes to a buffer outside the graphs' pool, which the next
+            # capture (or replay) of another bucket may overwrite.
+            self.hidden[:bs] = hidden
+            return self.hidden[:bs]
+        finally:
+            reset_context()
+
+    def _tail(self, bs: int, tokens: torch.Tensor) -> None:
+        slots, _, _, write_pos, *_ = self._inputs(bs)
+        self.token_buf[slots, write_pos] = tokens
+        self.sampled[:bs] = tokens
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def _capture(self, sample: Callable | None) -> None:
         pool = None
-        # Largest first, so that smaller graphs fit into the memory pool the largest one reserved.
-        for bs in reversed(self.sizes):
-            set_context(self._context(bs))
-            self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up (autotune, caches)
+
+        def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+            nonlocal pool
+            fn()  # warm-up outside the capture (compiles, autotunes, allocates workspaces)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                out = fn()
             pool = graph.pool()
-            self.graphs[bs] = graph
-            reset_context()
+            return graph, out
+
+        # Largest first, so that smaller graphs fit into the memory pool the largest one reserved.
+        # Each bucket's output stays referenced, so no later capture reuses its memory; it is read
+        # right after its own replay, before any other bucket's graph runs.
+        for bs in reversed(self.sizes):
+            self._pad(bs)
+            self.graphs[bs], self.outputs[bs] = capture(lambda bs=bs: self._forward(bs))
+            if not self.with_head:
+                continue
+            logits = self.outputs[bs]
+            _, _, _, _, keys, offsets, _, temperature = self._inputs(bs)
+            self.greedy_tails[bs], _ = capture(lambda bs=bs, lg=logits: self._tail(bs, lg.argmax(dim=-1)))
+            if sample is not None:
+                self.sample_tails[bs], _ = capture(
+                    lambda bs=bs, lg=logits, t=temperature, k=keys, o=offsets: self._tail(bs, sample(lg, t, k, o)))
         torch.cuda.synchronize()
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            context_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Hidden states of a decode batch of n <= max_batch rows (all arguments on the device)."""
-        n, width = input_ids.shape[0], block_tables.shape[1]
-        bs = next(b for b in self.sizes if b >= n)
-        self.input_ids[:n] = input_ids
-        self.positions[:n] = positions
-        self.slot_mapping[:n] = slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.context_lens[:n] = context_lens
-        self.context_lens[n:bs] = 0
+    def _pad(self, bs: int) -> None:
+        """Make every row of bucket `bs`'s inputs a padding row (before its capture's warm-up run)."""
+        slots, positions, slot_mapping, write_pos, keys, offsets, context_lens, temperature = self._inputs(bs)
+        slots.fill_(self.pad_row)
+        write_pos.fill_(self.pad_col)
+        slot_mapping.fill_(-1)
+        for t in (positions, keys, offsets, context_lens, temperature):
+            t.zero_()
+
+    def scatter(self, tokens: torch.Tensor) -> None:
+        """Write ids sampled outside the tail graphs [n] where the last `run`'s rows want them."""
+        n = tokens.shape[0]
+        slots, _, _, write_pos, *_ = self._inputs(self.bucket(n))
+        self.token_buf[slots[:n], write_pos[:n]] = tokens
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
+
+    def run(self, upload: Uploader, slots: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+            write_pos: np.ndarray, context_lens: np.ndarray, tables: np.ndarray,
+            temperature: np.ndarray | None = None, keys: np.ndarray | None = None,
+            offsets: np.ndarray | None = None) -> torch.Tensor:
+        """Replay the model graph for a decode batch of n rows; host arrays [n] (tables [n, width]).
+
+        With the head and `temperature` given: also the tail (greedy when every temperature is 0,
+        else the fused sampler, which then needs `keys` and `offsets`), and the result is the
+        sampled ids [n] int32, already in the token buffer. Otherwise the result is the logits
+        (with the head) or hidden states [n, ...] for the caller to finish the step.
+        """
+        n, width = len(slots), tables.shape[1]
+        bs = self.bucket(n)
+        pad = bs - n
+        zeros = np.zeros(pad, dtype=np.int64)
+        sampling = temperature is not None and temperature.any()
+        i64 = np.concatenate([
+            slots, np.full(pad, self.pad_row), positions, zeros, slot_mapping, np.full(pad, -1),
+            write_pos, np.full(pad, self.pad_col),
+            keys if sampling else np.zeros(n, dtype=np.int64), zeros,
+            offsets if sampling else np.zeros(n, dtype=np.int64), zeros]).astype(np.int64, copy=False)
+        temps = temperature if temperature is not None else np.zeros(n, dtype=np.float32)
+        i32 = np.concatenate([context_lens, np.zeros(pad, dtype=np.int32),
+                              temps.astype(np.float32).view(np.int32), np.zeros(pad, dtype=np.int32)])
+        upload.into([(i64, self.i64[: i64.size]), (i32.astype(np.int32, copy=False), self.i32[: i32.size]),
+                     (tables, self.block_tables[:n, :width])])
         # Entries past a row's context are never read, so stale ones may stay.
-        self.block_tables[:n, :width] = block_tables
         self.graphs[bs].replay()
-        return self.hidden[:n]
+        if not self.with_head or temperature is None:
+            return self.outputs[bs][:n]
+        (self.sample_tails if sampling else self.greedy_tails)[bs].replay()
+        return self.sampled[:n]

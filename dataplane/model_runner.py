@@ -113,8 +113,16 @@ class ModelRunner:
         # The torch backend sizes its tensors from host values, which a graph would freeze.
         if self.cfg.enforce_eager or self.device.type != "cuda" or self.backend == "torch":
             return None
-        return DecodeGraphs(self.model, self.cfg.max_num_seqs, self.state.max_blocks, self.hf_config.hidden_size,
-                            self.dtype, self.device)
+        # On a single rank the graphs also hold the LM head and the sampling tail; with tensor
+        # parallelism the logits are gathered to rank 0 and the ids broadcast outside them.
+        single = self.world_size == 1
+        sample = None
+        if single and self.sampler.fused:
+            import kernels
+
+            sample = kernels.sample
+        return DecodeGraphs(self.model, self.state.token_buf, self.cfg.max_num_seqs, self.state.max_blocks,
+                            self.hf_config.hidden_size, self.dtype, self.device, with_head=single, sample=sample)
 
     def _size_kv_cache(self) -> int:
         if self.cfg.num_kvcache_blocks:
@@ -219,19 +227,21 @@ class ModelRunner:
         # slot's next input. Mid-prompt chunks sample too, but that token is discarded.
         grew = np.flatnonzero((context_lens == st.num_known[slots]) & (context_lens < self.max_model_len))
         is_decode = bool((scheduled == 1).all())
+        if is_decode and self.graphs is not None and num_rows <= self.graphs.max_batch:
+            sampled = self._run_graph(slots, positions, slot_mapping, context_lens, tables, grew)
+            st.num_computed[slots] = context_lens
+            st.num_known[slots[grew]] += 1
+            return sampled
         (positions_t, slot_of_token_t, slot_mapping_t, last_rows_t, grew_t, grew_slots_t, grew_pos_t, cu_t,
          context_lens_t, tables_t) = self.upload(
             positions, slot_of_token, slot_mapping, (cu[1:] - 1).astype(np.int64), grew.astype(np.int64),
             slots[grew], context_lens[grew].astype(np.int64), cu, context_lens, tables)
         input_ids = st.token_buf[slot_of_token_t, positions_t]
-        if is_decode and self.graphs is not None and num_rows <= self.graphs.max_batch:
-            hidden = self.graphs.run(input_ids, positions_t, slot_mapping_t, context_lens_t, tables_t)
-        else:
-            set_context(AttentionContext(is_decode=is_decode, slot_mapping=slot_mapping_t, cu_seqlens_q=cu_t,
-                                         max_seqlen_q=int(scheduled.max()), context_lens=context_lens_t,
-                                         max_context_len=int(context_lens.max()), block_tables=tables_t))
-            hidden = self.model(input_ids, positions_t)
-            reset_context()
+        set_context(AttentionContext(is_decode=is_decode, slot_mapping=slot_mapping_t, cu_seqlens_q=cu_t,
+                                     max_seqlen_q=int(scheduled.max()), context_lens=context_lens_t,
+                                     max_context_len=int(context_lens.max()), block_tables=tables_t))
+        hidden = self.model(input_ids, positions_t)
+        reset_context()
         logits = self.model.compute_logits(hidden if is_decode else hidden[last_rows_t])
         if self.rank == 0:
             sampled = self._sample(logits, slots)
@@ -243,6 +253,32 @@ class ModelRunner:
         if len(grew):
             st.token_buf[grew_slots_t, grew_pos_t] = sampled[grew_t]
             st.num_known[slots[grew]] += 1
+        return sampled
+
+    def _run_graph(self, slots: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                   context_lens: np.ndarray, tables: np.ndarray, grew: np.ndarray) -> torch.Tensor:
+        """A decode step through the captured graphs; the sampled ids, already in the token buffer."""
+        st, graphs = self.state, self.graphs
+        write_pos = np.full(len(slots), graphs.pad_col, dtype=np.int64)
+        write_pos[grew] = context_lens[grew]
+        args = (self.upload, slots, positions, slot_mapping, write_pos, context_lens, tables)
+        if graphs.with_head:
+            temperature = st.temperature[slots]
+            filtered = ((st.top_k[slots] > 0) | (st.top_p[slots] < 1) | (st.min_p[slots] > 0)).any()
+            if not temperature.any() or (graphs.sample_tails and not filtered):
+                keys = offsets = None
+                if temperature.any():
+                    keys, offsets = self.sampler.streams(st.seeds[slots], st.num_known[slots])
+                return graphs.run(*args, temperature, keys, offsets)
+            sampled = self._sample(graphs.run(*args), slots)
+        else:
+            logits = self.model.compute_logits(graphs.run(*args))
+            if self.rank == 0:
+                sampled = self._sample(logits, slots)
+            else:
+                sampled = torch.empty(len(slots), dtype=torch.int64, device=self.device)
+            dist.broadcast(sampled, src=0)
+        graphs.scatter(sampled)
         return sampled
 
     def _sample(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:

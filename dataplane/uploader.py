@@ -22,12 +22,37 @@ class Uploader:
         self.turn = 0
 
     def __call__(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Fresh device tensors holding `arrays`: one copy per dtype."""
         if self.device.type != "cuda":
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        out: list[torch.Tensor | None] = [None] * len(arrays)
+        for host, members, offsets in self._stage(arrays):
+            device = host.to(self.device, non_blocking=True)
+            for i, start in zip(members, offsets, strict=True):
+                out[i] = device[start:start + arrays[i].size].view(arrays[i].shape)
+        self._record()
+        return out
+
+    def into(self, pairs: list[tuple[np.ndarray, torch.Tensor]]) -> None:
+        """Copy each host array into its device tensor (same dtype and shape; a contiguous target
+        takes a straight copy from the staging buffer, a strided one an extra device copy)."""
+        arrays = [a for a, _ in pairs]
+        if self.device.type != "cuda":
+            for a, dst in pairs:
+                dst.copy_(torch.from_numpy(np.ascontiguousarray(a)).view(dst.shape))
+            return
+        for host, members, offsets in self._stage(arrays):
+            for i, start in zip(members, offsets, strict=True):
+                dst = pairs[i][1]
+                dst.copy_(host[start:start + arrays[i].size].view(dst.shape), non_blocking=True)
+        self._record()
+
+    def _stage(self, arrays) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """Pack the arrays into this turn's pinned buffers: (host block, member indices, offsets) per dtype."""
         self.turn = (self.turn + 1) % self.RING
         if self.done[self.turn] is not None:
             self.done[self.turn].synchronize()
-        out: list[torch.Tensor | None] = [None] * len(arrays)
+        groups = []
         for dtype in {a.dtype for a in arrays}:
             members = [i for i, a in enumerate(arrays) if a.dtype == dtype]
             total = sum(arrays[i].size for i in members)
@@ -38,13 +63,13 @@ class Uploader:
                 flat[offset:offset + arrays[i].size] = arrays[i].ravel()
                 offsets.append(offset)
                 offset += arrays[i].size
-            device = host[:total].to(self.device, non_blocking=True)
-            for i, start in zip(members, offsets, strict=True):
-                out[i] = device[start:start + arrays[i].size].view(arrays[i].shape)
+            groups.append((host[:total], members, offsets))
+        return groups
+
+    def _record(self) -> None:
         event = torch.cuda.Event()
         event.record()
         self.done[self.turn] = event
-        return out
 
     def _buffer(self, dtype: np.dtype, size: int) -> torch.Tensor:
         buffers = self.buffers[self.turn]

@@ -36,6 +36,9 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_prologue
 
+# Rows one tensor-core program covers: with programmatic dependent launch a decode step of up to
+# 64 rows runs its linear layers here rather than in cuBLAS (NANOPLANE_SKINNY_MAX_ROWS).
+_DOT_MAX_BLOCK_M = 64
 # Rows up to which the CUDA-core path is the default (to be confirmed on a GPU with
 # `benchmarks/kernels.py --only skinny_sweep`).
 _FMA_MAX_M = 4
@@ -119,7 +122,9 @@ def _config(m: int, n: int, k: int, esize: int, num_sms: int, use_dot: bool | No
     if use_dot:
         # tl.dot's minimum tile is 16 on every side; 32/64 rows of the weight when N is large enough
         # to keep one program per SM anyway (fewer, longer programs: less x re-read, longer streams).
-        block_m, min_n, max_n, target = 16, 16, 64, num_sms
+        # Up to _DOT_MAX_BLOCK_M rows share one pass over the weight; more rows read it again per tile.
+        block_m = min(_DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+        min_n, max_n, target = 16, 64, num_sms
     else:
         # The x tile is re-read by every program (from L2): BLOCK_N >= BLOCK_M keeps that traffic
         # no larger than the weight's.
@@ -156,8 +161,8 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias[N]) -> y [M, N] in x's dtype, accumulated in fp32.
 
-    For small M (a decode step's 1..16 rows): it streams the weight once; larger M works but reads
-    the weight once per 16 rows. x and weight share a dtype (fp32/fp16/bf16); any strides work,
+    For small M (a decode step's 1..64 rows): it streams the weight once; larger M works but reads
+    the weight once per 64 rows. x and weight share a dtype (fp32/fp16/bf16); any strides work,
     unit stride along K is the fast case (x may be a row-strided view). bias may be any float
     dtype. `out` may be preallocated ([M, N], x's dtype, unit-stride rows). The other keyword
     arguments override the tile choice, for benchmarks; num_warps=4 suits every default tile (one

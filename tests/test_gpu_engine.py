@@ -78,7 +78,21 @@ def test_bf16_logits_close_to_transformers(qwen3_06b, backend):
         recorded.append(logits.float())
         return logits
 
-    runner.model.compute_logits = record
+    runner.model.compute_logits = record  # eager steps (prefill, and every step with the torch backend)
+    graphs = runner.graphs
+    if graphs is not None:
+        # Decode steps replay a graph that holds the LM head and the argmax: run it without the
+        # tail to see its logits, then finish the step as the greedy tail does.
+        graph_run = graphs.run
+
+        def run_recorded(*args):
+            logits = graph_run(*args[:7])
+            recorded.append(logits.float())
+            tokens = logits.argmax(dim=-1)
+            graphs.scatter(tokens)
+            return tokens
+
+        graphs.run = run_recorded
     ours_err, hf_err, ours_agree, hf_agree = [], [], 0, 0
     try:
         for prompt in prompts:
@@ -106,3 +120,32 @@ def test_bf16_logits_close_to_transformers(qwen3_06b, backend):
           f"ours {ours_agree}/{n} = {ours_agree / n:.3f}, transformers-bf16 {hf_agree}/{n} = {hf_agree / n:.3f}")
     assert ours_err.mean() <= 1.25 * hf_err.mean()
     assert ours_agree >= hf_agree - 0.05 * n
+
+
+def test_graph_tails_sample_as_the_eager_step_does(tiny_models):
+    """Decode steps through the captured graphs (LM head, argmax or the fused sampler, the token
+    write-back) give the tokens of the eager step: greedy, seeded and unseeded sampled rows, and a
+    top-k row, which sends its steps back to the eager sampler."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (3, 40, 17, 90, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.1, seed=123, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, top_k=20, max_tokens=12, ignore_eos=True)]
+    runs = {}
+    for eager in (False, True):
+        for subset in ("no top-k", "all"):
+            chosen = slice(0, 4) if subset == "no top-k" else slice(0, 5)
+            llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="float32", enforce_eager=eager,
+                      attention_backend="triton", seed=1, max_num_seqs=8, kvcache_block_size=16,
+                      num_kvcache_blocks=64)
+            try:
+                assert (llm.engine.data_plane.runner.graphs is None) == eager
+                runs[eager, subset] = [o["token_ids"] for o in
+                                       llm.generate(prompts[chosen], params[chosen], use_tqdm=False)]
+            finally:
+                llm.close()
+    for subset in ("no top-k", "all"):
+        assert runs[False, subset] == runs[True, subset]
+        assert [len(t) for t in runs[False, subset]] == [p.max_tokens for p in params[: len(runs[False, subset])]]

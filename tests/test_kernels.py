@@ -285,7 +285,7 @@ def test_skinny_gemm(dtype, m, n, k, with_bias, use_dot):
     (True, 16, 32, 4),
     (True, 32, 64, 1),
 ])
-@pytest.mark.parametrize("m,n,k", [(5, 37, 100), (16, 64, 256), (37, 40, 96)])  # 37 rows: two M tiles
+@pytest.mark.parametrize("m,n,k", [(5, 37, 100), (16, 64, 256), (37, 40, 96), (70, 40, 96)])  # 70: two M tiles
 def test_skinny_gemm_tiles(use_dot, block_n, block_k, num_stages, m, n, k):
     """The tiles a GPU launch picks (on a CPU the launcher takes the largest): small BLOCK_N, K loops."""
     check_skinny_gemm(m, n, k, torch.float32, True, TOL[torch.float32], use_dot=use_dot, block_n=block_n,
@@ -387,7 +387,7 @@ def test_qkv_prologue_and_silu_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024),  # Qwen3-0.6B
                                  (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)])  # Qwen3-8B
-@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 40, 64])
 def test_skinny_gemm_gpu(k, n, m):
     """bf16 at the real decode shapes, both inner products, in and out of a CUDA graph."""
     dtype = torch.bfloat16

@@ -17,11 +17,12 @@ from torch import nn
 from models.layers.fused import fused_kernels_enabled
 from models.layers.parallel import divide, tp_rank, tp_size
 
-# Up to this many rows (a small-batch decode step) a linear layer only streams its weight, which
-# kernels.skinny_gemm does in one launch where cuBLAS spends up to ~2x longer (BENCHMARKS.md: the four
-# Qwen3-0.6B layers in 18 us instead of 32 at one row, 25 instead of 32 at four; from eight rows cuBLAS
-# is as fast or slightly faster). NANOPLANE_SKINNY_MAX_ROWS moves the threshold (0: cuBLAS always).
-SKINNY_MAX_ROWS = int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "4"))
+# Up to this many rows (a small- or mid-batch decode step) a linear layer mostly streams its weight,
+# which kernels.skinny_gemm does in one launch; it also takes part in programmatic dependent launch,
+# which cuBLAS does not. On the H200 (BENCHMARKS.md) the 0.6B decode graph at 8/16/32/64 rows ran
+# 5-7% faster than with cuBLAS from 5 rows, and the same at 1 row. NANOPLANE_SKINNY_MAX_ROWS moves
+# the threshold (0: cuBLAS always).
+SKINNY_MAX_ROWS = int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "64"))
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
