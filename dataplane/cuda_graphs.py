@@ -96,10 +96,7 @@ class DecodeGraphs:
         def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
             nonlocal pool
             fn()  # warm-up outside the capture (compiles, autotunes, allocates workspaces)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                out = fn()
-            pool = graph.pool()
+            graph, out, pool = self._record(fn, pool)
             return graph, out
 
         # Largest first, so that smaller graphs fit into the memory pool the largest one reserved.
@@ -116,7 +113,16 @@ class DecodeGraphs:
             if sample is not None:
                 self.sample_tails[bs], _ = capture(
                     lambda bs=bs, lg=logits, t=temperature, k=keys, o=offsets: self._tail(bs, sample(lg, t, k, o)))
-        torch.cuda.synchronize()
+        if self.i64.is_cuda:
+            torch.cuda.synchronize()
+
+    def _record(self, fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
+        """Capture `fn` into a graph sharing `pool`: (graph, fn's output, the pool). Tests on a CPU
+        replace this with a replay that calls `fn` again."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            out = fn()
+        return graph, out, graph.pool()
 
     def _pad(self, bs: int) -> None:
         """Make every row of bucket `bs`'s inputs a padding row (before its capture's warm-up run)."""

@@ -191,7 +191,8 @@ class ModelRunner:
             return Launched(desc.step_id, start)
         n = sampled.shape[0]
         if self.device.type != "cuda":
-            return Launched(desc.step_id, start, host=sampled.to(torch.int32).numpy())
+            # A copy: the decode graphs' sampled ids live in a buffer the next step rewrites.
+            return Launched(desc.step_id, start, host=sampled.to(torch.int32, copy=True).numpy())
         # Two pinned buffers in turn: one step's copy may still be in flight while the next is queued.
         self.result_slot ^= 1
         host = self.result_buffers[self.result_slot][:n]
@@ -277,7 +278,8 @@ class ModelRunner:
                 sampled = self._sample(logits, slots)
             else:
                 sampled = torch.empty(len(slots), dtype=torch.int64, device=self.device)
-            dist.broadcast(sampled, src=0)
+            if self.world_size > 1:
+                dist.broadcast(sampled, src=0)
         graphs.scatter(sampled)
         return sampled
 
