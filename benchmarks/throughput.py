@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -202,7 +203,10 @@ def main() -> None:
     print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | KV capacity (tokens) "
           "| peak GPU GiB | peak RSS GiB |")
     tok_s = total / elapsed
-    print(f"| embedded {args.shape} TP={args.tensor_parallel_size} | {total} | {elapsed:.2f} | {tok_s:,.0f} | "
+    mode = f"embedded {args.shape} TP={args.tensor_parallel_size}"
+    if args.tensor_parallel_size > 1 and os.environ.get("NANOPLANE_ALLREDUCE"):
+        mode += f" {os.environ['NANOPLANE_ALLREDUCE']}"
+    print(f"| {mode} | {total} | {elapsed:.2f} | {tok_s:,.0f} | "
           f"{floor_cells(args.shape, args.tensor_parallel_size, tok_s)} | {kv_tokens:,} | {peak_gpu:.1f} | {rss:.1f} |")
     llm.close()
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 
 from dataplane import kv_cache
+from dataplane.allreduce import make_fast_all_reduce
 from dataplane.batch_state import BatchState, StepRefused
 from dataplane.config import DataPlaneConfig
 from dataplane.cuda_graphs import DecodeGraphs
@@ -25,6 +26,7 @@ from dataplane.uploader import Uploader
 from models.attention_backend import resolve_backend_name, set_backend
 from models.context import AttentionContext, reset_context, set_context
 from models.layers.fused import enable_fused_kernels
+from models.layers.parallel import set_fast_all_reduce
 from models.loader import load_model
 from models.registry import model_class
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
@@ -73,6 +75,7 @@ class ModelRunner:
         try:
             self._setup(cfg)
         except BaseException:
+            set_fast_all_reduce(None)
             # Leave no process group behind: a later runner in this process would inherit its size.
             if cfg.world_size > 1 and dist.is_initialized():
                 dist.destroy_process_group()
@@ -84,6 +87,7 @@ class ModelRunner:
         self.backend = resolve_backend_name(cfg.attention_backend, self.device.type)
         set_backend(self.backend)
         enable_fused_kernels(self.backend != "torch")
+        set_fast_all_reduce(make_fast_all_reduce(self.device, self.dtype, self.world_size))
         self.max_model_len = min(cfg.max_model_len, self.hf_config.max_position_embeddings)
         self.block_size = cfg.block_size or (16 if self.device.type == "cpu" else 256)
 
@@ -300,6 +304,7 @@ class ModelRunner:
         self.kv_cache = self.model = self.state = self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        set_fast_all_reduce(None)
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.parallel import tp_rank, tp_size
+from models.layers.parallel import all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,8 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         local = x - self.vocab_start
         mine = (local >= 0) & (local < self.per_partition)
         y = F.embedding(local.clamp(0, self.per_partition - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(y)
-        return y
+        return all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from models.layers.fused import fused_kernels_enabled
-from models.layers.parallel import divide, tp_rank, tp_size
+from models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 # Up to this many rows (a small- or mid-batch decode step) a linear layer mostly streams its weight,
 # which kernels.skinny_gemm does in one launch; it also takes part in programmatic dependent launch,
@@ -117,5 +116,5 @@ class RowParallelLinear(LinearBase):
         # The bias is added once, after the partial products are summed.
         y = _linear(x, self.weight)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            y = all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -1,0 +1,123 @@
+"""The all-reduce the row-parallel layers call: the hook, the choice of implementation, and on two
+GPUs the one-shot all-reduce over symmetric memory against NCCL (eager and inside a CUDA graph) and
+the engine's greedy tokens with it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import hf_greedy
+
+from dataplane.allreduce import ENV, make_fast_all_reduce
+from dataplane.launcher import free_port
+from models.layers import parallel
+
+
+@pytest.fixture
+def single_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        parallel.set_fast_all_reduce(None)
+        dist.destroy_process_group()
+
+
+def test_all_reduce_takes_the_fast_path_or_falls_back_to_the_group(single_rank_group):
+    x = torch.arange(6.0)
+    seen = []
+    parallel.set_fast_all_reduce(lambda t: seen.append(t.numel()) or (t * 2 if t.numel() <= 4 else None))
+    small = parallel.all_reduce(torch.ones(4))
+    assert torch.equal(small, torch.full((4,), 2.0))  # the fast path's result
+    big = parallel.all_reduce(x)
+    assert big is x and torch.equal(big, torch.arange(6.0))  # declined: summed by the group (one rank)
+    assert seen == [4, 6]
+
+
+def test_choice_of_all_reduce(monkeypatch):
+    monkeypatch.setenv(ENV, "ring-of-fire")
+    with pytest.raises(ValueError, match="expected 'nccl' or 'symm_mem'"):
+        make_fast_all_reduce(torch.device("cpu"), torch.float32, 2)
+    monkeypatch.setenv(ENV, "symm_mem")
+    assert make_fast_all_reduce(torch.device("cpu"), torch.float32, 2) is None  # CPU ranks: gloo
+    assert make_fast_all_reduce(torch.device("cuda", 0), torch.float32, 1) is None  # one rank: nothing to sum
+    monkeypatch.delenv(ENV)
+    assert make_fast_all_reduce(torch.device("cuda", 0), torch.bfloat16, 2) is None  # the default is NCCL
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+def _compare_with_nccl(rank: int, port: int, queue) -> None:
+    from dataplane.allreduce import SymmMemAllReduce
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        errors = []
+        for dtype in (torch.bfloat16, torch.float32):
+            fast = SymmMemAllReduce(torch.device("cuda", rank), dtype, max_bytes=4 << 20)
+            gen = torch.Generator(device="cuda").manual_seed(rank)
+            for rows in (1, 7, 256):
+                x = torch.randn(rows, 4096, device="cuda", generator=gen).to(dtype)
+                ref = x.clone()
+                dist.all_reduce(ref)
+                errors.append(float((fast(x) - ref).abs().max()))
+            assert fast(torch.zeros(1024, 1024, device="cuda", dtype=dtype)) is None  # over max_bytes: NCCL
+            # Captured in a graph, replayed on new inputs.
+            static = torch.zeros(16, 4096, device="cuda", dtype=dtype)
+            fast(static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fast(static)
+            for _ in range(3):
+                static.copy_(torch.randn(16, 4096, device="cuda", generator=gen).to(dtype))
+                ref = static.clone()
+                dist.all_reduce(ref)
+                graph.replay()
+                errors.append(float((out - ref).abs().max()))
+        queue.put((rank, errors))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_symm_mem_all_reduce_equals_nccl():
+    """Two operands: a + b is the same sum in either order, so the results must be equal, not close."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_compare_with_nccl, args=(rank, port, queue)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert sorted(results) == [0, 1]
+    for errors in results.values():
+        assert len(errors) == 12 and max(errors) == 0.0
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_engine_tp2_with_symm_mem_all_reduce_matches_transformers(tiny_models, monkeypatch):
+    from controlplane import LLM, SamplingParams
+
+    monkeypatch.setenv(ENV, "symm_mem")  # the spawned rank inherits it
+    path = tiny_models["qwen3"]
+    rng = random.Random(8)
+    prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (1, 17, 90)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(str(path), device="cuda", dtype="float32", tensor_parallel_size=2, attention_backend="triton",
+              kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8)
+    try:
+        assert parallel._fast_all_reduce is not None, "rank 0 fell back to NCCL (see the warning)"
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.close()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["token_ids"] == hf_greedy(path, prompt, params.max_tokens)
