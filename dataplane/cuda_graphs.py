@@ -54,7 +54,7 @@ class DecodeGraphs:
         self.i32 = torch.zeros(2 * n, dtype=torch.int32, device=device)  # context lengths, temperature bits
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.hidden = None if with_head else torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.sampled = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy_tails: dict[int, torch.cuda.CUDAGraph] = {}
@@ -166,9 +166,9 @@ class DecodeGraphs:
         temps = temperature if temperature is not None else np.zeros(n, dtype=np.float32)
         i32 = np.concatenate([context_lens, np.zeros(pad, dtype=np.int32),
                               temps.astype(np.float32).view(np.int32), np.zeros(pad, dtype=np.int32)])
+        # Block-table entries past a row's context are never read, so stale ones may stay.
         upload.into([(i64, self.i64[: i64.size]), (i32.astype(np.int32, copy=False), self.i32[: i32.size]),
                      (tables, self.block_tables[:n, :width])])
-        # Entries past a row's context are never read, so stale ones may stay.
         self.graphs[bs].replay()
         if not self.with_head or temperature is None:
             return self.outputs[bs][:n]
