@@ -149,3 +149,28 @@ def test_graph_tails_sample_as_the_eager_step_does(tiny_models):
     for subset in ("no top-k", "all"):
         assert runs[False, subset] == runs[True, subset]
         assert [len(t) for t in runs[False, subset]] == [p.max_tokens for p in params[: len(runs[False, subset])]]
+
+
+def test_programmatic_dependent_launch_changes_no_result(tiny_models, monkeypatch):
+    """PDL only moves launches earlier; a kernel that read its predecessor's output before waiting would
+    show here as tokens that differ between launches with and without it (bf16, graphs and eager)."""
+    from kernels import pdl
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (2, 33, 70, 5, 120, 9, 41)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("NANOPLANE_PDL", flag)
+        pdl._supported.cache_clear()
+        assert pdl.pdl_enabled(torch.device("cuda", 0)) == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        for eager in (False, True):
+            llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", enforce_eager=eager,
+                      attention_backend="triton", max_num_seqs=8, kvcache_block_size=16, num_kvcache_blocks=128)
+            try:
+                runs[flag, eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+            finally:
+                llm.close()
+    pdl._supported.cache_clear()
+    assert runs["1", False] == runs["0", False]
+    assert runs["1", True] == runs["0", True]
