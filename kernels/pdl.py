@@ -26,9 +26,16 @@ import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a triton without grid dependency control: PDL stays off
-    gdc_launch_dependents = gdc_wait = None
+except ImportError:  # a triton without grid dependency control: PDL stays off (USE_PDL is never true)
     _MISSING = True
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 else:
     _MISSING = False
 
