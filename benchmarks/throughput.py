@@ -240,6 +240,25 @@ async def drive_streams(address: str, prompts: list[list[int]], max_tokens: list
     return sum(tokens), sum(messages), elapsed
 
 
+async def one_stream(address: str, prompt_len: int = 512, max_tokens: int = 129) -> tuple[float, float]:
+    """One greedy stream alone, as a client sees it: (time to first token, median inter-token time),
+    in seconds. A message that carries k tokens counts as k gaps of a k-th of its wait."""
+    from clients.client import AsyncClient
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(0, 10000) for _ in range(prompt_len)]
+    client = AsyncClient(address)
+    stamps: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    async for chunk in client.generate(prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True):
+        stamps.append((time.perf_counter(), len(chunk.token_ids)))
+    await client.close()
+    gaps = []
+    for (before, _), (at, k) in zip(stamps, stamps[1:], strict=False):
+        gaps += [(at - before) / max(k, 1)] * max(k, 1)
+    return stamps[0][0] - start, sorted(gaps)[len(gaps) // 2] if gaps else float("nan")
+
+
 def run_service(path: Path, args: argparse.Namespace) -> None:
     """The same workload through `nanoplane serve`: one client process drives all 256 streams."""
     import psutil
@@ -264,6 +283,9 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
         print(f"| service {args.shape} TP={args.tensor_parallel_size} | {total} | {elapsed:.2f} | "
               f"{total / elapsed:,.0f} | {floor_cells(args.shape, args.tensor_parallel_size, total / elapsed)} | "
               f"{messages / elapsed:,.0f} ({total / messages:.2f}) | {', '.join(f'{v:.1f}' for v in rss.values())} |")
+        ttft, itl = asyncio.run(one_stream(address))
+        print(f"| service, one stream alone (512-token prompt, greedy) | TTFT {ttft * 1e3:.1f} ms | inter-token "
+              f"{itl * 1e3:.2f} ms (median, at the client) |")
 
 if __name__ == "__main__":
     main()
