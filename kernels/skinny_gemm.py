@@ -1,7 +1,8 @@
 """y = x @ weight^T (+ bias) for a few rows of x: the linear layers of a small-batch decode step.
 
-At M <= 16 a linear layer is a weight-streaming problem: the ~2-12 MB of a Qwen3-0.6B weight must
-cross HBM once, the flops are negligible. cuBLAS picks tensor-core GEMM tiles (and split-K with a
+At a decode step's M <= 64 a linear layer is mostly a weight-streaming problem: the ~2-12 MB of a
+Qwen3-0.6B weight must cross HBM once, the flops are minor (64 rows are ~64 flops a weight byte,
+below the H200's ~160 balance point). cuBLAS picks tensor-core GEMM tiles (and split-K with a
 separate reduce kernel) that cost ~3x the bytes' time at these shapes. Here each program owns
 BLOCK_N output features and loops over all of K, so every weight byte is read by exactly one
 program, there is no workspace, no second kernel and no atomics: one launch, deterministic,
@@ -13,8 +14,10 @@ Two inner products, chosen per call:
   SM of an H200, which is what pulls bandwidth from all 132 SMs (tl.dot needs BLOCK_N >= 16, i.e.
   64 programs). Its cost grows with M (M FMAs per weight element, a BLOCK_M x BLOCK_N x BLOCK_K
   accumulator in registers, so BLOCK_K shrinks as M grows), hence the threshold.
-- tl.dot (larger M): x's rows padded to 16 with masked loads (padding costs no memory traffic)
-  on the tensor cores, which have flops to spare at any M here.
+- tl.dot (larger M): x's rows padded to 16, 32 or 64 with masked loads (padding costs no memory
+  traffic) on the tensor cores, which have flops to spare at any M here. With programmatic
+  dependent launch (kernels/pdl.py) this path also keeps 5-64-row steps in one chain of Triton
+  kernels, which cuBLAS would break (BENCHMARKS.md: 5-7% off the decode graph at 8-64 rows).
 
 No split over K: reducing the partial sums inside the same launch takes a semaphore (the last
 program of an N tile to arrive adds the others' partials), i.e. a workspace and counters that must
