@@ -30,6 +30,8 @@ from models.context import AttentionContext, reset_context, set_context
 # int64 rows of a bucket's static input block: token-buffer row, position, KV slot, position the
 # sampled token is written to, sampler key, sampler offset.
 _I64_ROWS = 6
+# The int32 block: context lengths, then temperatures (float32 bits); 0 in both for padding rows.
+_I32_ROWS = 2
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -50,8 +52,10 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = n = self.sizes[-1]
         self.pad_row, self.pad_col = token_buf.shape[0] - 1, token_buf.shape[1] - 1
+        # A padding row's int64 inputs: the spare row at position 0, no KV slot, the spare column.
+        self.pad64 = np.array([self.pad_row, 0, -1, self.pad_col, 0, 0], dtype=np.int64)
         self.i64 = torch.zeros(_I64_ROWS * n, dtype=torch.int64, device=device)
-        self.i32 = torch.zeros(2 * n, dtype=torch.int32, device=device)  # context lengths, temperature bits
+        self.i32 = torch.zeros(_I32_ROWS * n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hidden = None if with_head else torch.zeros(n, hidden_size, dtype=dtype, device=device)
@@ -65,7 +69,7 @@ class DecodeGraphs:
     def _inputs(self, bs: int) -> tuple[torch.Tensor, ...]:
         """Views of the static buffers as bucket `bs` lays them out (each dtype's block contiguous)."""
         rows = self.i64[: _I64_ROWS * bs].view(_I64_ROWS, bs)
-        return (*rows, self.i32[:bs], self.i32[bs: 2 * bs].view(torch.float32))
+        return (*rows, self.i32[:bs], self.i32[bs: _I32_ROWS * bs].view(torch.float32))
 
     def _forward(self, bs: int) -> torch.Tensor:
         slots, positions, slot_mapping, _, _, _, context_lens, _ = self._inputs(bs)
@@ -124,14 +128,25 @@ class DecodeGraphs:
             out = fn()
         return graph, out, graph.pool()
 
+    def _pack(self, bs: int, rows64: list[np.ndarray | None], context_lens: np.ndarray,
+              temperature: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Host images of bucket `bs`'s int64 and int32 blocks: the n given rows first, padding after
+        (a None int64 row keeps its padding value)."""
+        n = len(context_lens)
+        i64 = np.repeat(self.pad64[:, None], bs, axis=1)
+        for r, values in enumerate(rows64):
+            if values is not None:
+                i64[r, :n] = values
+        i32 = np.zeros((_I32_ROWS, bs), dtype=np.int32)
+        i32[0, :n] = context_lens
+        i32[1, :n] = temperature.astype(np.float32).view(np.int32)
+        return i64.ravel(), i32.ravel()
+
     def _pad(self, bs: int) -> None:
         """Make every row of bucket `bs`'s inputs a padding row (before its capture's warm-up run)."""
-        slots, positions, slot_mapping, write_pos, keys, offsets, context_lens, temperature = self._inputs(bs)
-        slots.fill_(self.pad_row)
-        write_pos.fill_(self.pad_col)
-        slot_mapping.fill_(-1)
-        for t in (positions, keys, offsets, context_lens, temperature):
-            t.zero_()
+        i64, i32 = self._pack(bs, [], np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32))
+        self.i64[: i64.size].copy_(torch.from_numpy(i64))
+        self.i32[: i32.size].copy_(torch.from_numpy(i32))
 
     def scatter(self, tokens: torch.Tensor) -> None:
         """Write ids sampled outside the tail graphs [n] where the last `run`'s rows want them."""
@@ -155,20 +170,12 @@ class DecodeGraphs:
         """
         n, width = len(slots), tables.shape[1]
         bs = self.bucket(n)
-        pad = bs - n
-        zeros = np.zeros(pad, dtype=np.int64)
         sampling = temperature is not None and temperature.any()
-        i64 = np.concatenate([
-            slots, np.full(pad, self.pad_row), positions, zeros, slot_mapping, np.full(pad, -1),
-            write_pos, np.full(pad, self.pad_col),
-            keys if sampling else np.zeros(n, dtype=np.int64), zeros,
-            offsets if sampling else np.zeros(n, dtype=np.int64), zeros]).astype(np.int64, copy=False)
-        temps = temperature if temperature is not None else np.zeros(n, dtype=np.float32)
-        i32 = np.concatenate([context_lens, np.zeros(pad, dtype=np.int32),
-                              temps.astype(np.float32).view(np.int32), np.zeros(pad, dtype=np.int32)])
+        i64, i32 = self._pack(bs, [slots, positions, slot_mapping, write_pos, keys if sampling else None,
+                                   offsets if sampling else None], context_lens,
+                              temperature if temperature is not None else np.zeros(n, dtype=np.float32))
         # Block-table entries past a row's context are never read, so stale ones may stay.
-        upload.into([(i64, self.i64[: i64.size]), (i32.astype(np.int32, copy=False), self.i32[: i32.size]),
-                     (tables, self.block_tables[:n, :width])])
+        upload.into([(i64, self.i64[: i64.size]), (i32, self.i32[: i32.size]), (tables, self.block_tables[:n, :width])])
         self.graphs[bs].replay()
         if not self.with_head or temperature is None:
             return self.outputs[bs][:n]

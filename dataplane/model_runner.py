@@ -21,7 +21,7 @@ from dataplane.allreduce import make_fast_all_reduce
 from dataplane.batch_state import BatchState, StepRefused
 from dataplane.config import DataPlaneConfig
 from dataplane.cuda_graphs import DecodeGraphs
-from dataplane.sampler import Sampler
+from dataplane.sampler import Sampler, filtered_rows
 from dataplane.uploader import Uploader
 from models.attention_backend import resolve_backend_name, set_backend
 from models.context import AttentionContext, reset_context, set_context
@@ -269,7 +269,7 @@ class ModelRunner:
         args = (self.upload, slots, positions, slot_mapping, write_pos, context_lens, tables)
         if graphs.with_head:
             temperature = st.temperature[slots]
-            filtered = ((st.top_k[slots] > 0) | (st.top_p[slots] < 1) | (st.min_p[slots] > 0)).any()
+            filtered = filtered_rows(st.top_k[slots], st.top_p[slots], st.min_p[slots]).any()
             if not temperature.any() or (graphs.sample_tails and not filtered):
                 keys = offsets = None
                 if temperature.any():

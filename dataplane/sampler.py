@@ -75,7 +75,7 @@ class Sampler:
         upload = upload or self._upload
         if not temperature.any():
             return logits.argmax(dim=-1)
-        row_filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
+        row_filtered = filtered_rows(top_k, top_p, min_p)
         if not self.fused or row_filtered.all():
             t, k, p, m = upload(temperature, top_k, top_p, min_p)
             return self._torch_sample(logits, t, k, p, m, generators, all_greedy=False,
@@ -145,6 +145,11 @@ class Sampler:
             noise[i].exponential_(generator=generators[i])
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperature == 0, greedy, sampled)
+
+
+def filtered_rows(top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> np.ndarray:
+    """Which rows use top-k, top-p or min-p (host arrays as BatchState keeps them): those take the torch path."""
+    return (top_k > 0) | (top_p < 1) | (min_p > 0)
 
 
 def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
