@@ -6,6 +6,7 @@ time, the GPU time of the captured decode graph replayed back to back, the host 
 `replay()` call, and the functions that take the step's host time (cProfile, own time).
 
     python benchmarks/step_anatomy.py [--batches 1 16 64] [--top 18]
+    python benchmarks/step_anatomy.py --batches 64 256 --context 1024 --kernels   # + the graph's kernels
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def graph_gpu_ms(graphs, batch: int, reps: int = 50) -> tuple[float, float]:
     return start.elapsed_time(end) / reps, host / reps * 1e3
 
 
+def graph_kernels(graphs, batch: int, top: int, reps: int = 20) -> None:
+    """Print the kernels of the decode graph serving `batch` by GPU time per replay (profiler)."""
+    import torch
+
+    graph = graphs.graphs[next(b for b in graphs.sizes if b >= batch)]
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / reps
+    print(f"\n## batch {batch}: graph kernels, {total / 1e3:.3f} ms GPU a replay")
+    print("| kernel | us a replay | calls a replay | share |")
+    for e in kernels[:top]:
+        us = e.self_device_time_total / reps
+        print(f"| {e.key[:70]} | {us:.1f} | {e.count / reps:.0f} | {us / total:.0%} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", default="/tmp/nanoplane-qwen3-0.6b-random")
@@ -64,6 +86,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--kernels", action="store_true", help="also list the decode graph's kernels (profiler)")
     args = p.parse_args()
     path = Path(args.model_dir)
     if not (path / "model.safetensors").is_file():
@@ -100,6 +123,8 @@ def main() -> None:
         while engine.has_work():
             engine.step()
         gpu_ms, replay_host_ms = graph_gpu_ms(runner.graphs, batch)
+        if args.kernels:
+            graph_kernels(runner.graphs, batch, args.top)
         wall = sorted(plain)[len(plain) // 2] * 1e3
         rows.append((batch, wall, gpu_ms, replay_host_ms))
         out = io.StringIO()

@@ -140,13 +140,81 @@ def instrument(llm) -> dict[str, list[float]]:
     return timings
 
 
+BANDWIDTH, MATMUL = 4.24e12, 787e12  # bytes/s and bf16 FLOP/s of one H200 (design.md)
+BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 256))
+
+
+def pace(llm) -> list[tuple]:
+    """Record, for every step of the timed run, (rows, prefill tokens, KV tokens read, seconds).
+
+    The seconds are the time between consecutive step results: with a step in flight the GPU runs
+    step i right after i - 1, so that interval is step i's cost to the run, whoever set the pace (GPU
+    or host). Wraps the engine's data-plane client; a perf_counter and a list append a step."""
+    client = llm.engine.data_plane
+    submit, collect = client.submit, client.collect
+    sent: list[tuple[int, int, int]] = []
+    done: list[float] = []
+
+    def recording_submit(desc):
+        scheduled = desc.num_scheduled.astype("int64")
+        prefill = int(scheduled[scheduled > 1].sum())  # decode rows compute one token each
+        sent.append((desc.num_rows, prefill, int(desc.num_computed.sum() + scheduled.sum())))
+        return submit(desc)
+
+    def recording_collect(step_id):
+        out = collect(step_id)
+        done.append(time.perf_counter())
+        return out
+
+    client.submit, client.collect = recording_submit, recording_collect
+    start = [time.perf_counter()]
+
+    def steps() -> list[tuple]:
+        times = [b - a for a, b in zip(start + done, done, strict=False)]
+        return [(*s, t) for s, t in zip(sent, times, strict=False)]
+
+    return steps
+
+
+def report_pace(steps: list[tuple], runner) -> None:
+    """Where the run's time goes, by kind of step, against each step's own floor: the bytes it must
+    read (weights once, each row's KV cache) at 4.24 TB/s, or for prefill the matmul FLOPs at 787
+    TFLOP/s if that is longer (attention FLOPs left out, which flatters prefill slightly)."""
+    weights = sum(t.numel() * t.element_size() for t in runner.model.parameters())
+    params = sum(t.numel() for t in runner.model.parameters())
+    cache = runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
+    kv_per_token = cache[:, :, 0, 0].numel() * cache.element_size()
+    groups: dict[str, list[float]] = {}
+    for rows, prefill, kv_tokens, seconds in steps:
+        floor = max((weights + kv_tokens * kv_per_token) / BANDWIDTH, 2 * params * prefill / MATMUL)
+        if prefill:
+            name = "prefill (or mixed)"
+        else:
+            lo, hi = next(b for b in BUCKETS if rows <= b[1])
+            name = f"decode {lo}-{hi} rows"
+        g = groups.setdefault(name, [0, 0.0, 0.0])
+        g[0] += 1
+        g[1] += seconds
+        g[2] += floor
+    total_gap = sum(g[1] - g[2] for g in groups.values())
+    print("| steps | count | seconds | floor s | of floor | gap s | share of the gap |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in sorted(groups, key=lambda k: (not k.startswith("prefill"), int(k.split()[1].split("-")[0])
+                                              if k.startswith("decode") else 0)):
+        n, seconds, floor = groups[name]
+        print(f"| {name} | {n} | {seconds:.3f} | {floor:.3f} | {floor / seconds:.0%} | {seconds - floor:.3f} | "
+              f"{(seconds - floor) / total_gap:.0%} |")
+    n, seconds, floor = (sum(g[i] for g in groups.values()) for i in range(3))
+    print(f"| all | {n} | {seconds:.3f} | {floor:.3f} | {floor / seconds:.0%} | {seconds - floor:.3f} | 100% |")
+
+
 def report(t: dict[str, list[float]], elapsed: float) -> None:
     step, launch, wait = sum(t["step"]), sum(t["launch"]), sum(t["wait"])
     n = len(t["step"])
     print(f"steps {n}: total {elapsed:.2f} s; engine.step {step:.2f} s ({step / n * 1e3:.2f} ms/step); data plane "
           f"launch (host prep + queue) {launch / n * 1e3:.2f} ms/step; host blocked on the GPU {wait / n * 1e3:.2f} "
           f"ms/step; control plane {(step - launch - wait) / n * 1e3:.2f} ms/step")
-    for lo, hi in ((1, 16), (17, 64), (65, 128), (129, 256)):
+    for lo, hi in BUCKETS:
         rows = [i for i, r in enumerate(t["rows"]) if lo <= r <= hi]
         if rows:
             step_ms, launch_ms, wait_ms = (_mean_ms(t[key], rows) for key in ("step", "launch", "wait"))
@@ -186,13 +254,16 @@ def main() -> None:
     llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in warm_tokens],
                  use_tqdm=False)
     timings = instrument(llm) if args.profile else None
+    steps = pace(llm) if llm.engine.overlap and not args.profile else None
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t
     if timings is not None:
         report(timings, elapsed)
-    total = sum(max_tokens)
     runner = llm.engine.data_plane.runner
+    if steps is not None:
+        report_pace(steps(), runner)
+    total = sum(max_tokens)
     import resource
 
     import torch

@@ -1,0 +1,92 @@
+"""The all-reduce of a tensor-parallel step on two GPUs: NCCL against the one-shot symmetric-memory
+kernel (`dataplane/allreduce.py`), per call, at the sizes decode and prefill steps sum.
+
+Each size is timed inside a CUDA graph of 20 calls (as the decode graph runs them) and eagerly, back
+to back. Floor: the bytes one rank must read from its peer over NVLink, at the link's ~450 GB/s one
+way (NV18 on an H200 host).
+
+    python benchmarks/allreduce.py            # needs two CUDA GPUs
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+HIDDEN = 4096  # Qwen3-8B
+ROWS = (1, 16, 64, 128, 256, 512, 1024, 2048)
+NVLINK = 450e9  # bytes/s one way, NV18
+
+
+def timed(fn, reps: int = 20, graph: bool = True) -> float:
+    """Microseconds a call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        run = g.replay
+    else:
+        def run():
+            for _ in range(reps):
+                fn()
+    run()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (5 * reps)
+
+
+def worker(rank: int, port: int) -> None:
+    from dataplane.allreduce import SymmMemAllReduce
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    fast = SymmMemAllReduce(torch.device("cuda", rank), torch.bfloat16)
+    rows_out = []
+    for rows in ROWS:
+        x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        nbytes = x.numel() * x.element_size()
+        cells = [timed(lambda x=x: dist.all_reduce(x)), timed(lambda x=x: dist.all_reduce(x), graph=False)]
+        if fast(x) is not None:
+            cells += [timed(lambda x=x: fast(x)), timed(lambda x=x: fast(x), graph=False)]
+        else:
+            cells += [float("nan")] * 2
+        rows_out.append((rows, nbytes, *cells))
+    if rank == 0:
+        print("| rows x 4096 bf16 | bytes | NCCL graph us | NCCL eager us | one-shot graph us | one-shot eager us "
+              "| floor us |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for rows, nbytes, *cells in rows_out:
+            times = " | ".join(f"{c:.1f}" for c in cells)
+            print(f"| {rows} | {nbytes:,} | {times} | {nbytes / NVLINK * 1e6:.1f} |")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    from dataplane.launcher import free_port
+
+    if torch.cuda.device_count() < 2:
+        sys.exit("needs two CUDA GPUs")
+    torch.multiprocessing.spawn(worker, args=(free_port(),), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
