@@ -59,7 +59,7 @@ def worker(rank: int, port: int) -> None:
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    fast = SymmMemAllReduce(torch.device("cuda", rank), torch.bfloat16)
+    fast = SymmMemAllReduce(torch.device("cuda", rank), torch.bfloat16, max_bytes=8 << 20)  # past the default
     rows_out = []
     for rows in ROWS:
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)

@@ -1,6 +1,7 @@
 """GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
 
-    python benchmarks/kernels.py [--only decode,prefill,rms_norm,rotary,store,sample,skinny,skinny_sweep]
+    python benchmarks/kernels.py [--only read,decode,decode_sweep,prefill,rms_norm,rotary,store,sample,skinny,
+                                         skinny_sweep]
                                  [--dtype bf16]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
@@ -19,6 +20,7 @@ weight, enough copies to overflow the L2, so the graph column is what a 28-layer
 """
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -87,6 +89,41 @@ def bench_decode(dtype: torch.dtype) -> None:
         nbytes = batch * ctx * HKV * D * 2 * esize + 2 * q.numel() * esize + tables.numel() * 4
         name = f"decode B={batch} ctx={ctx} page={page} splits={splits or 'auto'}"
         report(name, fn, nbytes, check=check)
+
+
+def bench_read(dtype: torch.dtype) -> None:
+    """What reading alone reaches: the ceiling a decode-attention kernel (a pure read) is held to."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").view(dtype)
+    report("read 1 GiB (torch.sum)", x.sum, x.numel() * x.element_size())
+
+
+DECODE_SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st, heads_fastest=hf)
+                for hf in (False, True) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def bench_decode_sweep(dtype: torch.dtype) -> None:
+    """The decode kernel's launch alternatives (kernels.decode_attention.TUNING), graph timings."""
+    from kernels.decode_attention import TUNING
+
+    esize = torch.finfo(dtype).bits // 8
+    for batch, ctx in ((256, 1024), (128, 1024), (64, 1024), (16, 1024)):
+        k_cache, v_cache, tables, lens = paged([ctx] * batch, 256, dtype)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=dtype)
+        expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, D**-0.5)
+        nbytes = batch * ctx * HKV * D * 2 * esize
+        floor = nbytes / BANDWIDTH * 1e6
+        for tune in DECODE_SWEEP:
+            label = f"decode B={batch:<3} ctx={ctx} " + " ".join(f"{k}={v}" for k, v in tune.items())
+            label += " (default)" if tune == TUNING else ""
+            fn = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lens, D**-0.5, tuning=tune)
+            try:
+                err = ((fn().float() - expected.float()).norm() / expected.float().norm()).item()
+                assert err < 2e-2, f"relative error {err:.2e}"
+                t = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+            except Exception as e:  # a tile that does not compile (shared memory) must not end the sweep
+                print(f"{label:<96} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}", flush=True)
+                continue
+            print(f"{label:<96} {t:7.1f} us  {nbytes / t / 1e6:5.2f} TB/s  {floor / t:6.1%} of floor", flush=True)
 
 
 def bench_prefill(dtype: torch.dtype) -> None:
@@ -260,14 +297,15 @@ def bench_skinny_sweep(dtype: torch.dtype) -> None:
                 print(f"{label:<84} {t:7.2f} us  {floor / t:6.1%} of floor", flush=True)
 
 
-BENCHES = {"decode": bench_decode, "prefill": bench_prefill, "rms_norm": bench_rms_norm,
+BENCHES = {"read": bench_read, "decode": bench_decode, "decode_sweep": bench_decode_sweep,
+           "prefill": bench_prefill, "rms_norm": bench_rms_norm,
            "rotary": bench_rotary, "store": bench_store, "sample": bench_sample, "skinny": bench_skinny,
            "skinny_sweep": bench_skinny_sweep}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default = ",".join(name for name in BENCHES if name != "skinny_sweep")  # the sweep is for tuning only
+    default = ",".join(name for name in BENCHES if not name.endswith("_sweep"))  # sweeps are for tuning only
     parser.add_argument("--only", default=default, help="comma-separated subset of " + ",".join(BENCHES))
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     args = parser.parse_args()

@@ -22,9 +22,10 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 ENV = "NANOPLANE_ALLREDUCE"
-# vLLM and SGLang stop using one-shot reads around this size on two GPUs; above it the ring's
-# bandwidth wins. Decode sums are at most max_num_seqs x hidden x 2 bytes (256 x 4096 x 2 = 2 MiB).
-DEFAULT_MAX_BYTES = 8 << 20
+# Measured on two NV18-linked H200s (`benchmarks/allreduce.py`, BENCHMARKS.md): in a CUDA graph the
+# one-shot kernel beats NCCL up to 2 MiB (21 vs 31 us), ties at 4 MiB and loses at 8 MiB (62 vs 49).
+# Decode sums are at most max_num_seqs x hidden x 2 bytes (256 x 4096 x 2 = 2 MiB for Qwen3-8B).
+DEFAULT_MAX_BYTES = 2 << 20
 
 
 class SymmMemAllReduce:

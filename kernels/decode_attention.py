@@ -14,9 +14,12 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_prologue
 
-# Tokens per inner-loop tile. Independent of the cache's block size: each token's page is looked
-# up on its own, so a tile may straddle pages (small blocks) or cover part of one (large blocks).
-_BLOCK_N = 64
+# Launch parameters (`benchmarks/kernels.py --only decode_sweep` times the alternatives). block_n:
+# tokens per inner-loop tile, independent of the cache's block size (each token's page is looked up
+# on its own, so a tile may straddle pages or cover part of one). heads_fastest: the grid's fastest
+# axis is the KV head, so the programs that run side by side read neighbouring 256-byte pieces of
+# the same tokens' cache rows instead of one piece of many scattered rows.
+TUNING = dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=False)
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
@@ -31,11 +34,15 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     # Per-sequence split length, tile-aligned: short sequences leave trailing splits empty (cheap
@@ -137,7 +144,8 @@ def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits):
+def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning):
+    tune = TUNING if not tuning else {**TUNING, **tuning}
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -151,15 +159,16 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, 
         part_m = _workspace((batch, num_q_heads, num_splits), q.device)
         part_l = _workspace((batch, num_q_heads, num_splits), q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if tune["heads_fastest"] else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
         scale * 1.4426950408889634, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, DIRECT=direct,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2, **pdl_args(q.device),
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tune["block_n"],
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FASTEST=tune["heads_fastest"],
+        num_warps=tune["num_warps"], num_stages=tune["num_stages"], **pdl_args(q.device),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -180,13 +189,15 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its first context_lens[b] cached keys.
 
     q: [B, H_q, D] (strided views allowed, unit-stride last dim); caches: [num_blocks, block_size,
     H_kv, D] contiguous, same dtype as q; block_tables: [B, max_blocks] int32; context_lens: [B]
     int32. Rows with context_len 0 produce zeros. `out` ([B, H_q, D], q's dtype) may be given for
-    static CUDA-graph buffers; `num_splits` overrides the split-KV heuristic (tests, tuning).
+    static CUDA-graph buffers; `num_splits` overrides the split-KV heuristic and `tuning` entries of
+    TUNING (tests, benchmarks).
     """
     assert q.dim() == 3 and q.stride(-1) == 1, "q must be [B, H_q, D] with unit-stride last dim"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -199,4 +210,4 @@ def paged_decode_attention(
     assert out.shape == q.shape and out.stride(-1) == 1 and out.dtype == q.dtype
     if q.shape[0] == 0:
         return out
-    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits)
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning)

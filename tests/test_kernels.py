@@ -118,6 +118,21 @@ def test_decode(dtype, hq, hkv, d, page, ctx_lens, num_splits, monkeypatch):
             assert (out[b] == 0).all()
 
 
+@pytest.mark.parametrize("tuning", [dict(heads_fastest=True), dict(block_n=32, heads_fastest=True),
+                                    dict(block_n=128, num_warps=8, num_stages=3)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_launch_alternatives(tuning, num_splits):
+    """The benchmark's sweep alternatives (grid order, tile) compute the same attention."""
+    ctx_lens = [70, 0, 300, 1]
+    k_cache, v_cache, tables = paged_cache(ctx_lens, 16, 4, 64, torch.float32)
+    q = torch.randn(len(ctx_lens), 8, 64, device=DEV)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, i32(ctx_lens), 0.125, num_splits=num_splits,
+                                 tuning=tuning)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(ctx_lens), 0.125)
+    assert rel_err(out, expected) < TOL[torch.float32]
+    assert (out[1] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
 @pytest.mark.parametrize("page,q_lens,ctx_lens", [
