@@ -18,8 +18,10 @@ from kernels.pdl import pdl_args, pdl_prologue
 # tokens per inner-loop tile, independent of the cache's block size (each token's page is looked up
 # on its own, so a tile may straddle pages or cover part of one). heads_fastest: the grid's fastest
 # axis is the KV head, so the programs that run side by side read neighbouring 256-byte pieces of
-# the same tokens' cache rows instead of one piece of many scattered rows.
-TUNING = dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=False)
+# the same tokens' cache rows instead of one piece of many scattered rows. On an H200 (BENCHMARKS.md)
+# a third pipeline stage took batch 256 x context 1024 from 265 to 249 us and batch 64 from 76 to
+# 66 us; the KV-head-fastest grid took batch 256 on to 244 us (4.40 TB/s, above what torch.sum reads).
+TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64

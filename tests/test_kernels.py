@@ -118,7 +118,7 @@ def test_decode(dtype, hq, hkv, d, page, ctx_lens, num_splits, monkeypatch):
             assert (out[b] == 0).all()
 
 
-@pytest.mark.parametrize("tuning", [dict(heads_fastest=True), dict(block_n=32, heads_fastest=True),
+@pytest.mark.parametrize("tuning", [dict(heads_fastest=False), dict(block_n=32, heads_fastest=True),
                                     dict(block_n=128, num_warps=8, num_stages=3)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_launch_alternatives(tuning, num_splits):
