@@ -178,15 +178,22 @@ def pace(llm) -> list[tuple]:
 
 def report_pace(steps: list[tuple], runner) -> None:
     """Where the run's time goes, by kind of step, against each step's own floor: the bytes it must
-    read (weights once, each row's KV cache) at 4.24 TB/s, or for prefill the matmul FLOPs at 787
-    TFLOP/s if that is longer (attention FLOPs left out, which flatters prefill slightly)."""
-    weights = sum(t.numel() * t.element_size() for t in runner.model.parameters())
-    params = sum(t.numel() for t in runner.model.parameters())
+    read (weights once, each row's KV cache) at 4.24 TB/s, or its matmul FLOPs at 787 TFLOP/s if that
+    is longer (every computed token through the decoder layers' weights, each row through the LM
+    head; attention FLOPs left out, which flatters prefill slightly)."""
+    named = list(runner.model.named_parameters())
+    weights = sum(t.numel() * t.element_size() for _, t in named)
+    # The embedding is a lookup, not a matmul; the LM head (or the tied embedding) runs on one row
+    # per sequence, not on every prompt token.
+    vocab = sum(t.numel() for name, t in named if "embed" in name or "lm_head" in name)
+    head = max(t.numel() for name, t in named if "embed" in name or "lm_head" in name)
+    body = sum(t.numel() for _, t in named) - vocab
     cache = runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
     kv_per_token = cache[:, :, 0, 0].numel() * cache.element_size()
     groups: dict[str, list[float]] = {}
     for rows, prefill, kv_tokens, seconds in steps:
-        floor = max((weights + kv_tokens * kv_per_token) / BANDWIDTH, 2 * params * prefill / MATMUL)
+        flops = 2 * body * (prefill or rows) + 2 * head * rows
+        floor = max((weights + kv_tokens * kv_per_token) / BANDWIDTH, flops / MATMUL)
         if prefill:
             name = "prefill (or mixed)"
         else:
