@@ -7,8 +7,10 @@ input into a buffer every rank can address (torch symmetric memory), meets the o
 device-side barrier and has each rank read and add all the buffers itself: one kernel, no ring
 steps, capturable in a CUDA graph. Larger tensors (prefill) stay with NCCL.
 
-Opt-in while it is unmeasured here: `NANOPLANE_ALLREDUCE=symm_mem`. It never uses NVLink multicast
-(the multimem operations): the one-shot kernel reads peers with plain loads.
+Opt-in (`NANOPLANE_ALLREDUCE=symm_mem`): it gave Qwen3-8B on two H200s 2% more tokens/s
+(BENCHMARKS.md), and the ranks' set-up is a rendezvous that a rank failing inside it could leave its
+peer waiting in. It never uses NVLink multicast (the multimem operations): the one-shot kernel reads
+peers with plain loads.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class SymmMemAllReduce:
     """Sums tensors of up to `max_bytes` in one kernel over peer memory; returns None for the rest."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, meet: bool = True):
+        """`meet=False` allocates only; `meet()` then exchanges the buffers with the other ranks."""
         # The one-shot kernel needs no multicast object; make sure none is created (on shared hosts
         # multicast can take the GPUs out of service).
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -43,8 +46,14 @@ class SymmMemAllReduce:
         self.dtype = dtype
         self.buffer = symm_mem.empty(max_bytes // torch.empty(0, dtype=dtype).element_size(), dtype=dtype,
                                      device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
         self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+        if meet:
+            self.meet()
+
+    def meet(self) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.rendezvous(self.buffer, self.group_name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         n = x.numel()
@@ -64,15 +73,31 @@ def make_fast_all_reduce(device: torch.device, dtype: torch.dtype, world_size: i
         raise ValueError(f"{ENV}={choice!r}: expected 'nccl' or 'symm_mem'")
     if choice == "nccl" or world_size < 2 or device.type != "cuda":
         return None
+    return set_up_everywhere(lambda: SymmMemAllReduce(device, dtype, meet=False), device)
+
+
+def set_up_everywhere(make, device: torch.device):
+    """`make()` then `.meet()` on every rank, or None on every rank if either failed on any (a
+    collective). The ranks agree after each phase: a rank that could not allocate must not leave its
+    peers in the rendezvous, and one summing over peer memory while another waits in NCCL would hang."""
     fast, error = None, ""
     try:
-        fast = SymmMemAllReduce(device, dtype)
+        fast = make()
     except (RuntimeError, AttributeError, ImportError) as e:
         error = str(e)
-    # The ranks must agree: one summing over peer memory while another waits in NCCL would hang.
-    ok = torch.tensor([0 if fast is None else 1], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item():
-        log.warning("symmetric-memory all-reduce unavailable on some rank (%s); using NCCL", error or "see its log")
-        return None
-    return fast
+    if _everywhere(fast is not None, device):
+        try:
+            fast.meet()
+        except RuntimeError as e:
+            fast, error = None, str(e)
+        if _everywhere(fast is not None, device):
+            return fast
+    log.warning("symmetric-memory all-reduce unavailable on some rank (%s); using NCCL", error or "see its log")
+    return None
+
+
+def _everywhere(ok: bool, device: torch.device) -> bool:
+    """Whether `ok` holds on every rank (a collective: every rank must call it)."""
+    flag = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

@@ -48,6 +48,51 @@ def test_choice_of_all_reduce(monkeypatch):
     assert make_fast_all_reduce(torch.device("cuda", 0), torch.bfloat16, 2) is None  # the default is NCCL
 
 
+def _set_up(rank: int, port: int, fail: str, queue) -> None:
+    from dataplane.allreduce import set_up_everywhere
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    met = []
+
+    class Fake:
+        def meet(self):
+            if fail == f"meet{rank}":
+                raise RuntimeError("no peer access")
+            met.append(rank)
+
+    def make():
+        if fail == f"make{rank}":
+            raise RuntimeError("out of memory")
+        return Fake()
+
+    try:
+        got = set_up_everywhere(make, torch.device("cpu"))
+        queue.put((rank, got is not None, met))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail", ["", "make1", "meet0"])
+def test_ranks_agree_on_the_fast_path(fail):
+    """A rank that fails to allocate keeps every rank out of the rendezvous; one that fails in it
+    sends every rank back to NCCL; no failure: every rank has the fast path."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_set_up, args=(rank, port, fail, queue)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict((rank, (ok, met)) for rank, ok, met in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    if fail == "":
+        assert results == {0: (True, [0]), 1: (True, [1])}
+    elif fail == "make1":
+        assert results == {0: (False, []), 1: (False, [])}  # nobody entered the rendezvous
+    else:
+        assert results == {0: (False, []), 1: (False, [1])}
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 
