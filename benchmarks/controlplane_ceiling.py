@@ -7,7 +7,10 @@ benchmarks/throughput.py (256 streams from one client process, nano-vllm's promp
 lengths, the same tokenizer and vocabulary); the "data plane" samples uniform random ids and may be
 told to take `--step-ms` per step, as a GPU would.
 
-    python benchmarks/controlplane_ceiling.py [--step-ms 0] [--profile]
+    python benchmarks/controlplane_ceiling.py [--step-ms 0] [--profile] [--remote]
+
+`--remote` puts the real ZeroMQ path in between: the control plane binds as `nanoplane serve` does and
+a rank process (dataplane/worker.py's loop) answers, its model runner only emulating the step time.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import QWEN3_06B, drive_streams, warmup_workload, workload  # noqa: E402
+from throughput import QWEN3_06B, drive_streams, one_stream, warmup_workload, workload  # noqa: E402
 
 from proto.plane import PlaneInfo, StepDescriptor, StepResult  # noqa: E402
 
@@ -70,10 +73,62 @@ class InstantDataPlane:
         print(f"data plane: {self.steps} steps, {self.prefill_steps} with prefill rows", flush=True)
 
 
-def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event) -> None:
-    """The control plane as `nanoplane serve` runs it (its GIL switch interval too), in this process."""
+class _Due:
+    """Stands in for the CUDA event a real step records: done once the emulated GPU is past it."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.at
+
+
+class TimedRunner:
+    """A ModelRunner for a real rank process (`--remote`): the worker's loop, sockets and codec are
+    the real ones; the "GPU" runs each step `step_s` after the previous one ends, as a queue does."""
+
+    def __init__(self, cfg, step_s: float = 0.0, vocab_size: int = QWEN3_06B["vocab_size"]):
+        self.cfg, self.step_s, self.vocab_size = cfg, step_s, vocab_size
+        self.num_kv_blocks, self.block_size, self.device = 8192, 256, "cpu"
+        self.rng = np.random.default_rng(0)
+        self.busy_until = 0.0
+
+    def info(self) -> PlaneInfo:
+        return PlaneInfo(0, 1, self.cfg.epoch, self.num_kv_blocks, self.block_size, 256, 4096, self.vocab_size,
+                         "TimedRunner", "cpu", "bfloat16")
+
+    def launch(self, desc: StepDescriptor):
+        from dataplane.model_runner import Launched
+
+        self.busy_until = max(time.perf_counter(), self.busy_until) + self.step_s
+        ids = self.rng.integers(1, self.vocab_size, len(desc.slots), dtype=np.int32)
+        return Launched(desc.step_id, time.perf_counter(), ids, _Due(self.busy_until))
+
+    def wait(self, launched) -> StepResult:
+        while not launched.done.query():
+            pass  # spin, as Event.synchronize does
+        return StepResult(launched.step_id, launched.host)
+
+    def close(self) -> None:
+        pass
+
+
+def timed_rank(control: str, step_s: float) -> None:
+    """A rank process (`nanoplane dataplane`'s worker) around a TimedRunner."""
+    import dataplane.model_runner
+    from dataplane.config import DataPlaneConfig
+    from dataplane.worker import WorkerOptions, run_rank
+
+    dataplane.model_runner.ModelRunner = lambda cfg: TimedRunner(cfg, step_s)
+    run_rank(DataPlaneConfig(model=""), WorkerOptions(control=control, launch_id=1))
+
+
+def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, remote: str = "") -> None:
+    """The control plane as `nanoplane serve` runs it (its GIL switch interval too), in this process;
+    over ZeroMQ to a rank at `remote` (an ipc:// address) if given, else over an in-process stand-in."""
     from controlplane.async_engine import AsyncEngine
     from controlplane.config import EngineConfig
+    from controlplane.remote import RemoteDataPlane
     from controlplane.serve import set_gil_switch_interval
     from controlplane.server import build_server
 
@@ -85,7 +140,8 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event) 
 
     async def main() -> None:
         config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
-        server = build_server(config, InstantDataPlane(QWEN3_06B["vocab_size"], step_s))
+        plane = RemoteDataPlane(remote, world_size=1) if remote else InstantDataPlane(QWEN3_06B["vocab_size"], step_s)
+        server = build_server(config, plane)
         port_queue.put(await server.start())
         while not stop_event.is_set():
             await asyncio.sleep(0.05)
@@ -107,6 +163,8 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=0.0, help="time the fake data plane takes per step")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="cProfile the server's two threads")
+    p.add_argument("--remote", action="store_true",
+                   help="the data plane is a real rank process over ZeroMQ, its model runner emulating the step time")
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tiny_models import make_tokenizer
@@ -116,20 +174,30 @@ def main() -> None:
         (Path(model_dir) / "config.json").write_text(json.dumps(QWEN3_06B))
         ctx = mp.get_context("spawn")
         port_queue, stop_event = ctx.Queue(), ctx.Event()
-        server = ctx.Process(target=serve, args=(model_dir, args.step_ms / 1000, args.profile, port_queue, stop_event))
-        server.start()
+        remote = f"ipc://{model_dir}/plane.sock" if args.remote else ""
+        procs = [ctx.Process(target=serve, args=(model_dir, args.step_ms / 1000, args.profile, port_queue, stop_event,
+                                                 remote))]
+        if remote:
+            procs.append(ctx.Process(target=timed_rank, args=(remote, args.step_ms / 1000), daemon=True))
+        for proc in procs:
+            proc.start()
         try:
             address = f"127.0.0.1:{port_queue.get(timeout=60)}"
             asyncio.run(drive_streams(address, *warmup_workload(args.num_seqs), "Warm-up"))
             tokens, messages, elapsed = asyncio.run(drive_streams(address, *workload(args.num_seqs), "Streams"))
+            ttft, itl = asyncio.run(one_stream(address))
         finally:
             stop_event.set()
-            server.join(timeout=30)
-            if server.is_alive():
-                server.kill()
-    print("| data plane step | output tokens | time (s) | tok/s | messages/s | tokens per message |")
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+    plane = "a rank process over ZeroMQ" if remote else "in-process stand-in"
+    print(f"| data plane step ({plane}) | output tokens | time (s) | tok/s | messages/s | tokens per message |")
     print(f"| {args.step_ms:g} ms | {tokens} | {elapsed:.2f} | {tokens / elapsed:,.0f} | {messages / elapsed:,.0f} | "
           f"{tokens / messages:.2f} |")
+    print(f"| one stream alone (512-token prompt) | TTFT {ttft * 1e3:.1f} ms | inter-token {itl * 1e3:.2f} ms "
+          f"(median, at the client) |")
 
 
 if __name__ == "__main__":

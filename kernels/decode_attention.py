@@ -149,6 +149,8 @@ def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning):
     tune = TUNING if not tuning else {**TUNING, **tuning}
     batch, num_q_heads, head_dim = q.shape
+    if batch > 65535:  # a CUDA grid's second axis stops there; the first goes to 2**31 - 1
+        tune = {**tune, "heads_fastest": False}
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     if num_splits is None:
