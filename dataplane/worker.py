@@ -158,6 +158,39 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _L
     return live.exit_code
 
 
+class _Pace:
+    """Where a served step's host time goes, seen from rank 0 (`NANOPLANE_RANK_PACE=N` logs it every
+    N steps): the rank's host time per launch, the control plane's turnaround (from sending a result
+    to receiving the next descriptor), and how often the GPU had already finished the previous step
+    when the next one was queued: each such step left the GPU idle, i.e. the host set the pace."""
+
+    def __init__(self, rank: int, every: int):
+        self.rank, self.every = rank, every
+        self.launch: list[float] = []
+        self.turnaround: list[float] = []
+        self.dry = 0
+        self.sent_at = 0.0
+
+    def received(self) -> None:
+        if self.sent_at:
+            self.turnaround.append(time.perf_counter() - self.sent_at)
+            self.sent_at = 0.0
+
+    def launched(self, seconds: float, previous) -> None:
+        self.launch.append(seconds)
+        done = getattr(previous, "done", None)
+        self.dry += bool(done is not None and done.query())
+        if len(self.launch) >= self.every:
+            ms = lambda xs: f"{np.median(xs) * 1e3:.3f}/{np.percentile(xs, 90) * 1e3:.3f}" if xs else "n/a"  # noqa: E731
+            log.info("rank %d, last %d steps: launch %s ms (median/p90), control-plane turnaround %s ms, "
+                     "GPU idle before %d of them", self.rank, len(self.launch), ms(self.launch),
+                     ms(self.turnaround), self.dry)
+            self.launch, self.turnaround, self.dry = [], [], 0
+
+    def sent(self) -> None:
+        self.sent_at = time.perf_counter()
+
+
 class _StepLoop:
     """Obeys descriptors in order and keeps one step in flight.
 
@@ -169,6 +202,8 @@ class _StepLoop:
     def __init__(self, runner, data: zmq.Socket, epoch: int, rank: int):
         self.runner, self.data, self.epoch, self.rank = runner, data, epoch, rank
         self.steps: deque = deque()
+        every = int(os.environ.get("NANOPLANE_RANK_PACE", "0"))
+        self.pace = _Pace(rank, every) if every > 0 and rank == 0 else None
 
     def run(self, live: _Liveness) -> None:
         while not live.exit_requested.is_set():
@@ -188,6 +223,8 @@ class _StepLoop:
                 log.warning("rank %d ignored a malformed message: %s", self.rank, e)
                 continue
             if isinstance(msg, StepDescriptor):
+                if self.pace:
+                    self.pace.received()
                 self.launch(msg)
             elif isinstance(msg, codec.Shutdown):
                 live.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
@@ -198,8 +235,11 @@ class _StepLoop:
                                          error=f"rank {self.rank} refused: descriptor of epoch {desc.epoch}, "
                                                f"this data plane serves epoch {self.epoch}"))
             return
+        start = time.perf_counter()
         with self.fatal(desc.step_id):
             self.steps.append(self.runner.launch(desc))
+        if self.pace:
+            self.pace.launched(time.perf_counter() - start, self.steps[-2] if len(self.steps) > 1 else None)
 
     def oldest_done(self) -> bool:
         step = self.steps[0]
@@ -216,6 +256,8 @@ class _StepLoop:
                 step = self.runner.wait(step)
         if self.rank == 0:
             self.data.send_multipart(codec.encode_result(step, self.epoch, self.rank), copy=False)
+            if self.pace:
+                self.pace.sent()
         elif step.error:
             log.warning("%s", step.error)
 
