@@ -222,6 +222,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         idle_retry = False
+        held: list[tuple[_Stream, Output | BaseException]] = []
         while True:
             with self._cond:
                 while not (self._inbox or self._stopping or (self._ready and self.engine.has_work())
@@ -231,7 +232,8 @@ class AsyncEngine:
                     self._cond.wait(IDLE_RETRY_S)
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
-            deliveries: list[tuple[_Stream, Output | BaseException]] = []
+            # What this iteration has for the streams, after what the last one held back (in order).
+            deliveries = held
             for command in commands:
                 self._apply(command, deliveries)
             if stopping:
@@ -242,17 +244,18 @@ class AsyncEngine:
             if not stopping and self._ready and self.engine.has_work():
                 idle_retry = not self._step(deliveries)
             self._status = self._snapshot()
-            if deliveries:
-                # RuntimeError: the event loop is closed, so nobody is listening any more.
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(self._dispatch, deliveries)
+            # A step's tokens wait until the next step has been sent (engine.step's on_queued): waking
+            # the event loop makes this thread wait for the GIL, which between a result and the next
+            # descriptor leaves the GPU idle. Sent now if no next step is coming.
+            if deliveries and (stopping or idle_retry or not self._ready or not self.engine.has_work()):
+                self._hand_over(deliveries)
             if stopping:
                 return
 
     def _step(self, deliveries: list) -> bool:
         """One engine step; returns whether it made progress (ran rows or has a step in flight)."""
         try:
-            out = self.engine.step()
+            out = self.engine.step(on_queued=lambda: self._hand_over(deliveries))
         except Exception as exc:
             log.exception("engine step failed; marking the data plane unavailable")
             self._set_unready(f"data plane failed: {type(exc).__name__}: {exc}", deliveries)
@@ -346,6 +349,16 @@ class AsyncEngine:
             return EngineStatus(0, 0, 0, 0, False)
         running, waiting, used, total = self.engine.stats()
         return EngineStatus(running, waiting, total, used, self._ready)
+
+    def _hand_over(self, deliveries: list) -> None:
+        """Pass `deliveries` to the event loop and empty the list (the same list object goes on)."""
+        if not deliveries:
+            return
+        batch = deliveries[:]
+        deliveries.clear()
+        # RuntimeError: the event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._dispatch, batch)
 
     @staticmethod
     def _dispatch(deliveries: list[tuple[_Stream, Output | BaseException]]) -> None:

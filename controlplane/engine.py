@@ -6,6 +6,7 @@ service); only the `DataPlaneClient` differs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -115,9 +116,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.inflight is not None or not self.scheduler.is_finished()
 
-    def step(self) -> StepOutput:
+    def step(self, on_queued: Callable[[], None] | None = None) -> StepOutput:
         """Schedule and send a step; return what the latest result did (this step's, or with overlap
-        the previous step's: the GPU then never waits for this host work)."""
+        the previous step's: the GPU then never waits for this host work).
+
+        `on_queued` runs once per call, after the step is sent and before the call waits for a
+        result: work done there (handing the previous result's tokens to the streams) is off the
+        path from one result to the next step's descriptor, which the GPU waits on."""
         out = self.scheduler.schedule()
         sent = None
         if out.seqs:
@@ -125,9 +130,13 @@ class Engine:
             desc = self.describe(out)
             self.scheduler.advance(out)
             if not self.overlap:
+                if on_queued is not None:
+                    on_queued()
                 return self._apply(out, num_tokens, self.data_plane.execute(desc), desc.step_id)
             self.data_plane.submit(desc)
             sent = (out, desc.step_id, num_tokens)
+        if on_queued is not None:
+            on_queued()
         previous, self.inflight = self.inflight, sent
         if previous is None:
             return StepOutput([], [], 0, False)
