@@ -217,7 +217,10 @@ def bench_sample(dtype: torch.dtype) -> None:
 # (K, N) of Qwen3-0.6B's linear layers, as one tensor-parallel rank holds them at TP=1.
 SKINNY_SHAPES = {"qkv_proj": (1024, 4096), "o_proj": (2048, 1024), "gate_up_proj": (1024, 6144),
                  "down_proj": (3072, 1024)}
-SKINNY_ROWS = (1, 4, 8, 16)
+# Decode rows: the skinny kernel serves up to 64 by default; 128 and 256 say whether it should take
+# the larger steps from cuBLAS too (NANOPLANE_SKINNY_MAX_ROWS).
+SKINNY_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+SKINNY_SWEEP_ROWS = (1, 4, 8, 16, 32, 64)
 L2_OVERFLOW = 256 << 20  # bytes of weight copies to rotate through: 5x the H200's 50 MB L2
 
 
@@ -276,7 +279,7 @@ def bench_skinny_sweep(dtype: torch.dtype) -> None:
     for name, (k, n) in SKINNY_SHAPES.items():
         weights = rotating_weights(k, n, dtype)
         floor = n * k * esize / BANDWIDTH * 1e6
-        for m in SKINNY_ROWS:
+        for m in SKINNY_SWEEP_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             expected = ref.skinny_gemm_ref(x, weights[0])
             for use_dot, block_n, block_k, stages, warps in SKINNY_SWEEP:
