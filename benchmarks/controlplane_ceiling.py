@@ -123,6 +123,29 @@ def timed_rank(control: str, step_s: float) -> None:
     run_rank(DataPlaneConfig(model=""), WorkerOptions(control=control, launch_id=1))
 
 
+def time_critical_path(plane) -> list[float]:
+    """Wrap the plane's submit and collect: for each step s + 2, the seconds from holding step s's
+    result to having sent step s + 2's descriptor. With a step in flight that is the control plane's
+    share of what the GPU waits on (the rank's launch and the two socket hops are the rest)."""
+    got: dict[int, float] = {}
+    spans: list[float] = []
+    submit, collect = plane.submit, plane.collect
+
+    def timed_submit(desc: StepDescriptor) -> None:
+        submit(desc)
+        at = got.pop(desc.step_id - 2, None)
+        if at is not None and time.perf_counter() - at < 1.0:  # longer: the service was idle
+            spans.append(time.perf_counter() - at)
+
+    def timed_collect(step_id: int) -> StepResult:
+        out = collect(step_id)
+        got[step_id] = time.perf_counter()
+        return out
+
+    plane.submit, plane.collect = timed_submit, timed_collect
+    return spans
+
+
 def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, remote: str = "") -> None:
     """The control plane as `nanoplane serve` runs it (its GIL switch interval too), in this process;
     over ZeroMQ to a rank at `remote` (an ipc:// address) if given, else over an in-process stand-in."""
@@ -141,11 +164,16 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
     async def main() -> None:
         config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
         plane = RemoteDataPlane(remote, world_size=1) if remote else InstantDataPlane(QWEN3_06B["vocab_size"], step_s)
+        spans = time_critical_path(plane)
         server = build_server(config, plane)
         port_queue.put(await server.start())
         while not stop_event.is_set():
             await asyncio.sleep(0.05)
         await server.stop(grace=1.0)
+        if spans:
+            ms = np.array(spans) * 1e3
+            print(f"| control plane: result s in hand to descriptor s + 2 sent | median {np.median(ms):.3f} ms | "
+                  f"p90 {np.percentile(ms, 90):.3f} ms | max {ms.max():.3f} ms | {len(ms)} steps |", flush=True)
 
     if profile:
         loop_profile.enable()

@@ -160,35 +160,39 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _L
 
 class _Pace:
     """Where a served step's host time goes, seen from rank 0 (`NANOPLANE_RANK_PACE=N` logs it every
-    N steps): the rank's host time per launch, the control plane's turnaround (from sending a result
-    to receiving the next descriptor), and how often the GPU had already finished the previous step
-    when the next one was queued: each such step left the GPU idle, i.e. the host set the pace."""
+    N steps). With a step in flight the control plane sends step s + 1 after it has step s - 1's
+    result, and the GPU stays busy only if that descriptor arrives before step s ends. Logged: the
+    rank's host time per launch, the control plane's turnaround (result s - 1 sent to descriptor s + 1
+    received; spells over a second are idleness, not turnaround, and are left out), and the steps
+    whose descriptor came only after the previous step's result had gone out (the GPU waited)."""
+
+    IDLE_S = 1.0
 
     def __init__(self, rank: int, every: int):
         self.rank, self.every = rank, every
         self.launch: list[float] = []
         self.turnaround: list[float] = []
         self.dry = 0
-        self.sent_at = 0.0
+        self.sent: dict[int, float] = {}  # step id -> when its result went out (the latest few)
 
-    def received(self) -> None:
-        if self.sent_at:
-            self.turnaround.append(time.perf_counter() - self.sent_at)
-            self.sent_at = 0.0
+    def received(self, step_id: int) -> None:
+        now = time.perf_counter()
+        if (at := self.sent.get(step_id - 2)) is not None and now - at < self.IDLE_S:
+            self.turnaround.append(now - at)
+        self.dry += step_id - 1 in self.sent
 
-    def launched(self, seconds: float, previous) -> None:
+    def launched(self, seconds: float) -> None:
         self.launch.append(seconds)
-        done = getattr(previous, "done", None)
-        self.dry += bool(done is not None and done.query())
         if len(self.launch) >= self.every:
             ms = lambda xs: f"{np.median(xs) * 1e3:.3f}/{np.percentile(xs, 90) * 1e3:.3f}" if xs else "n/a"  # noqa: E731
             log.info("rank %d, last %d steps: launch %s ms (median/p90), control-plane turnaround %s ms, "
-                     "GPU idle before %d of them", self.rank, len(self.launch), ms(self.launch),
+                     "GPU waited for %d descriptors", self.rank, len(self.launch), ms(self.launch),
                      ms(self.turnaround), self.dry)
             self.launch, self.turnaround, self.dry = [], [], 0
 
-    def sent(self) -> None:
-        self.sent_at = time.perf_counter()
+    def sent_result(self, step_id: int) -> None:
+        self.sent[step_id] = time.perf_counter()
+        self.sent.pop(step_id - 4, None)
 
 
 class _StepLoop:
@@ -224,7 +228,7 @@ class _StepLoop:
                 continue
             if isinstance(msg, StepDescriptor):
                 if self.pace:
-                    self.pace.received()
+                    self.pace.received(msg.step_id)
                 self.launch(msg)
             elif isinstance(msg, codec.Shutdown):
                 live.request_exit(msg.exit_code, f"the control plane says: {msg.reason}")
@@ -239,7 +243,7 @@ class _StepLoop:
         with self.fatal(desc.step_id):
             self.steps.append(self.runner.launch(desc))
         if self.pace:
-            self.pace.launched(time.perf_counter() - start, self.steps[-2] if len(self.steps) > 1 else None)
+            self.pace.launched(time.perf_counter() - start)
 
     def oldest_done(self) -> bool:
         step = self.steps[0]
@@ -257,7 +261,7 @@ class _StepLoop:
         if self.rank == 0:
             self.data.send_multipart(codec.encode_result(step, self.epoch, self.rank), copy=False)
             if self.pace:
-                self.pace.sent()
+                self.pace.sent_result(step.step_id)
         elif step.error:
             log.warning("%s", step.error)
 

@@ -174,3 +174,29 @@ def test_shutdown_and_malformed_messages():
     assert live.exit_code == 0
     assert [r.result.step_id for r in data.sent] == [0]
     assert ("launch", 1) not in log
+
+
+def test_pace_counts_turnaround_and_the_descriptors_the_gpu_waited_for(caplog):
+    from dataplane.worker import _Pace
+
+    pace = _Pace(rank=0, every=4)
+    # Steady pipeline: descriptor s + 1 arrives after result s - 1 went out, before result s.
+    pace.sent_result(0)
+    pace.received(2)
+    pace.launched(0.001)
+    # The GPU ran dry: result 2 went out before descriptor 3 came.
+    pace.sent_result(1)
+    pace.sent_result(2)
+    pace.received(3)
+    pace.launched(0.001)
+    assert len(pace.turnaround) == 2 and pace.dry == 1
+    # After an idle spell a new burst's first descriptor is not a turnaround, though it counts as a
+    # descriptor the GPU waited for (it had nothing queued).
+    pace.sent[3] = pace.sent[2] = 0.0  # results sent long ago
+    pace.received(4)
+    pace.launched(0.001)
+    assert len(pace.turnaround) == 2 and pace.dry == 2
+    with caplog.at_level("INFO", logger="nanoplane.dataplane"):
+        pace.launched(0.001)
+    assert "last 4 steps" in caplog.text and "GPU waited for 2 descriptors" in caplog.text
+    assert pace.launch == [] and pace.turnaround == [] and pace.dry == 0
