@@ -20,6 +20,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -144,8 +145,9 @@ BANDWIDTH, MATMUL = 4.24e12, 787e12  # bytes/s and bf16 FLOP/s of one H200 (desi
 BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 256))
 
 
-def pace(llm) -> list[tuple]:
-    """Record, for every step of the timed run, (rows, prefill tokens, KV tokens read, seconds).
+def pace(llm) -> Callable[[], list[tuple]]:
+    """Start recording, for every step of the timed run, (rows, prefill tokens, KV tokens read,
+    seconds); the function returned gives the steps so far.
 
     The seconds are the time between consecutive step results: with a step in flight the GPU runs
     step i right after i - 1, so that interval is step i's cost to the run, whoever set the pace (GPU
@@ -197,7 +199,7 @@ def report_pace(steps: list[tuple], runner) -> None:
         if prefill:
             name = "prefill (or mixed)"
         else:
-            lo, hi = next(b for b in BUCKETS if rows <= b[1])
+            lo, hi = next((b for b in BUCKETS if rows <= b[1]), (BUCKETS[-1][1] + 1, rows))
             name = f"decode {lo}-{hi} rows"
         g = groups.setdefault(name, [0, 0.0, 0.0])
         g[0] += 1
