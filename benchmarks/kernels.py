@@ -124,6 +124,16 @@ def bench_decode_sweep(dtype: torch.dtype) -> None:
                 print(f"{label:<96} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}", flush=True)
                 continue
             print(f"{label:<96} {t:7.1f} us  {nbytes / t / 1e6:5.2f} TB/s  {floor / t:6.1%} of floor", flush=True)
+        # Split-KV at the default launch: is the heuristic's choice (about two waves) the fastest?
+        from kernels.decode_attention import _choose_num_splits
+
+        picked = _choose_num_splits(batch, HKV, tables.shape[1] * 256, q.device)
+        for splits in (1, 2, 3, 4, 6, 8, 16):
+            fn = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lens, D**-0.5,
+                                   num_splits=splits)
+            t = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+            label = f"decode B={batch:<3} ctx={ctx} splits={splits}{' (heuristic)' if splits == picked else ''}"
+            print(f"{label:<96} {t:7.1f} us  {nbytes / t / 1e6:5.2f} TB/s  {floor / t:6.1%} of floor", flush=True)
 
 
 def bench_prefill(dtype: torch.dtype) -> None:
