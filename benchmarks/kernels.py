@@ -103,7 +103,7 @@ DECODE_SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st, heads_fastest=hf)
 
 def bench_decode_sweep(dtype: torch.dtype) -> None:
     """The decode kernel's launch alternatives (kernels.decode_attention.TUNING), graph timings."""
-    from kernels.decode_attention import TUNING
+    from kernels.decode_attention import TUNING, _choose_num_splits
 
     esize = torch.finfo(dtype).bits // 8
     for batch, ctx in ((256, 1024), (128, 1024), (64, 1024), (16, 1024)):
@@ -125,8 +125,6 @@ def bench_decode_sweep(dtype: torch.dtype) -> None:
                 continue
             print(f"{label:<96} {t:7.1f} us  {nbytes / t / 1e6:5.2f} TB/s  {floor / t:6.1%} of floor", flush=True)
         # Split-KV at the default launch: is the heuristic's choice (about two waves) the fastest?
-        from kernels.decode_attention import _choose_num_splits
-
         picked = _choose_num_splits(batch, HKV, tables.shape[1] * 256, q.device)
         for splits in (1, 2, 3, 4, 6, 8, 16):
             fn = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lens, D**-0.5,

@@ -42,8 +42,7 @@ def graph_gpu_ms(graphs, batch: int, reps: int = 50) -> tuple[float, float]:
     """(GPU ms per replay back to back, host ms per replay() call) of the bucket serving `batch`."""
     import torch
 
-    bs = next(b for b in graphs.sizes if b >= batch)
-    graph = graphs.graphs[bs]
+    graph = graphs.graphs[graphs.bucket(batch)]
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,7 +61,7 @@ def graph_kernels(graphs, batch: int, top: int, reps: int = 20) -> None:
     """Print the kernels of the decode graph serving `batch` by GPU time per replay (profiler)."""
     import torch
 
-    graph = graphs.graphs[next(b for b in graphs.sizes if b >= batch)]
+    graph = graphs.graphs[graphs.bucket(batch)]
     graph.replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

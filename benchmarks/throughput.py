@@ -187,9 +187,9 @@ def report_pace(steps: list[tuple], runner) -> None:
     weights = sum(t.numel() * t.element_size() for _, t in named)
     # The embedding is a lookup, not a matmul; the LM head (or the tied embedding) runs on one row
     # per sequence, not on every prompt token.
-    vocab = sum(t.numel() for name, t in named if "embed" in name or "lm_head" in name)
-    head = max(t.numel() for name, t in named if "embed" in name or "lm_head" in name)
-    body = sum(t.numel() for _, t in named) - vocab
+    vocab = [t.numel() for name, t in named if "embed" in name or "lm_head" in name]
+    head = max(vocab)
+    body = sum(t.numel() for _, t in named) - sum(vocab)
     cache = runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
     kv_per_token = cache[:, :, 0, 0].numel() * cache.element_size()
     groups: dict[str, list[float]] = {}

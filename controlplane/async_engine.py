@@ -222,7 +222,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         idle_retry = False
-        held: list[tuple[_Stream, Output | BaseException]] = []
+        # For the streams, kept across iterations: a step's tokens wait there until the next step is sent.
+        deliveries: list[tuple[_Stream, Output | BaseException]] = []
         while True:
             with self._cond:
                 while not (self._inbox or self._stopping or (self._ready and self.engine.has_work())
@@ -232,8 +233,6 @@ class AsyncEngine:
                     self._cond.wait(IDLE_RETRY_S)
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
-            # What this iteration has for the streams, after what the last one held back (in order).
-            deliveries = held
             for command in commands:
                 self._apply(command, deliveries)
             if stopping:
