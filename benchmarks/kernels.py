@@ -228,6 +228,7 @@ SKINNY_SHAPES = {"qkv_proj": (1024, 4096), "o_proj": (2048, 1024), "gate_up_proj
 # Decode rows: the skinny kernel serves up to 64 by default; 128 and 256 say whether it should take
 # the larger steps from cuBLAS too (NANOPLANE_SKINNY_MAX_ROWS).
 SKINNY_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+SKINNY_SWEEP_ROWS = (1, 4, 8, 16, 32, 64)
 L2_OVERFLOW = 256 << 20  # bytes of weight copies to rotate through: 5x the H200's 50 MB L2
 
 
@@ -270,60 +271,41 @@ def bench_skinny(dtype: torch.dtype) -> None:
               f"F.linear {total['F.linear']:.1f} us, floor {total['floor']:.1f} us", flush=True)
 
 
-# Alternatives to the launcher's choice, as skinny_gemm keywords (missing = default); the first is the
-# default itself. `one_tile=B` is BLOCK_K=B with the split over K that leaves each program one weight
-# tile (all of its weight read issued before the PDL wait). Few rows weigh the inner product, BLOCK_N
-# and the split; many rows (128, 256: should the kernel take those steps from cuBLAS?) the same.
-SKINNY_SWEEP_FEW = [{}, dict(use_dot=False, block_n=4), dict(use_dot=False, block_n=4, one_tile=512),
-                    dict(use_dot=False, block_n=8, one_tile=256), dict(use_dot=True, split_k=2),
-                    dict(use_dot=True, split_k=4), dict(use_dot=True, block_n=32, split_k=4),
-                    dict(use_dot=True, block_n=16, one_tile=512), dict(use_dot=True, block_n=16, one_tile=256),
-                    dict(use_dot=True, block_n=32, one_tile=256)]
-SKINNY_SWEEP_MANY = [{}, dict(block_n=32, split_k=2), dict(block_n=16, one_tile=256), dict(block_n=32, one_tile=256),
-                     dict(block_n=16, one_tile=512), dict(block_m=128, block_n=16, one_tile=128)]
-SKINNY_SWEEP_ROWS = (1, 4, 16, 32, 64, 128)
+# Alternatives to the launcher's choice: (use_dot, block_n, block_k, num_stages, num_warps); None = default.
+SKINNY_SWEEP = [(None, None, None, None, 4),
+                (False, 4, None, None, 4), (False, 8, None, None, 4), (False, 16, None, None, 4),
+                (False, 32, None, None, 4), (False, None, None, 2, 4), (False, None, None, 4, 4),
+                (False, None, None, None, 8),
+                (True, 16, None, None, 4), (True, 32, None, None, 4), (True, 16, 256, None, 4),
+                (True, 16, None, 3, 4), (True, 16, None, 5, 4)]
 
 
 def bench_skinny_sweep(dtype: torch.dtype) -> None:
     from kernels.skinny_gemm import _config, _num_sms
 
     esize = torch.finfo(dtype).bits // 8
-    best: dict[int, float] = {}  # rows -> the four layers' time at each layer's best tile
     for name, (k, n) in SKINNY_SHAPES.items():
         weights = rotating_weights(k, n, dtype)
         floor = n * k * esize / BANDWIDTH * 1e6
         for m in SKINNY_SWEEP_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=dtype)
             expected = ref.skinny_gemm_ref(x, weights[0])
-            cublas = triton.testing.do_bench_cudagraph(rotating(torch.nn.functional.linear, x, weights), rep=30) * 1e3
-            print(f"{name} M={m:<3} F.linear {cublas:7.2f} us  {floor / cublas:6.1%} of floor", flush=True)
-            times = []
-            for tiles in SKINNY_SWEEP_FEW if m <= 64 else SKINNY_SWEEP_MANY:
-                if tiles.get("use_dot") is False and m > 4:
-                    continue  # the CUDA-core path's FMAs grow with the rows: no candidate past 4
-                if "one_tile" in tiles:
-                    tiles = dict(tiles)
-                    block = tiles.pop("one_tile")
-                    tiles.update(block_k=block, split_k=min(triton.cdiv(k, block), 8))
-                args = {key: tiles.get(key) for key in ("use_dot", "block_n", "block_k", "num_stages", "split_k",
-                                                        "block_m")}
-                dot, bm, bn, bk, stages, split, _ = _config(m, n, k, esize, _num_sms(x.device), *args.values())
-                warps = tiles.get("num_warps", 4)
-                label = (f"{name} M={m:<3} {'dot' if dot else 'fma'} BM={bm:<3} BN={bn:<3} BK={bk:<4} "
-                         f"split={split} stages={stages} warps={warps}{' (default)' if not tiles else ''}")
+            for use_dot, block_n, block_k, stages, warps in SKINNY_SWEEP:
+                if use_dot is False and block_n is not None and block_n < triton.next_power_of_2(m):
+                    continue  # x would be re-read more than the weight: not a candidate
+                tiles = dict(use_dot=use_dot, block_n=block_n, block_k=block_k, num_stages=stages, num_warps=warps)
+                picked = _config(m, n, k, esize, _num_sms(x.device), use_dot, block_n, block_k, stages)
+                label = (f"{name} M={m:<2} {'dot' if picked[0] else 'fma'} BM={picked[1]:<2} BN={picked[2]:<2} "
+                         f"BK={picked[3]:<4} stages={picked[4]} warps={warps}{' (default)' if use_dot is None else ''}")
                 try:
                     got = skinny_gemm(x, weights[0], **tiles)
                     err = ((got.float() - expected).norm() / expected.norm()).item()
                     assert err < 2e-2, f"relative error {err:.2e}"
                     t = triton.testing.do_bench_cudagraph(rotating(skinny_gemm, x, weights, **tiles), rep=30) * 1e3
                 except Exception as e:  # a tile that does not compile (shared memory) must not end the sweep
-                    print(f"{label:<92} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}", flush=True)
+                    print(f"{label:<84} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}", flush=True)
                     continue
-                times.append(t)
-                print(f"{label:<92} {t:7.2f} us  {floor / t:6.1%} of floor", flush=True)
-            best[m] = best.get(m, 0.0) + min(times + [cublas])
-    for m, t in best.items():
-        print(f"== M={m}: the four layers at their best tiles (cuBLAS included) {t:.1f} us", flush=True)
+                print(f"{label:<84} {t:7.2f} us  {floor / t:6.1%} of floor", flush=True)
 
 
 BENCHES = {"read": bench_read, "decode": bench_decode, "decode_sweep": bench_decode_sweep,

@@ -32,7 +32,6 @@ from kernels import (  # noqa: E402
     store_kvcache,
 )
 from kernels import reference as ref  # noqa: E402
-from kernels.skinny_gemm import _locks as skinny_gemm_locks  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -295,37 +294,17 @@ def test_skinny_gemm(dtype, m, n, k, with_bias, use_dot):
     check_skinny_gemm(m, n, k, dtype, with_bias, TOL[dtype], use_dot=use_dot)
 
 
-@pytest.mark.parametrize("use_dot,block_n,block_k,num_stages,split_k", [
-    (False, 4, 32, 3, 1),  # many programs, N tail, several K steps with a K tail
-    (False, 8, 128, 2, 1),
-    (True, 16, 32, 4, 1),
-    (True, 32, 64, 1, 1),
-    (True, 16, 32, 2, 2),  # split over K: partials summed by the last program of each tile
-    (True, 16, 16, 3, 3),  # K not a multiple of the split: the last split runs past K, masked
-    (False, 4, 16, 2, 4),
+@pytest.mark.parametrize("use_dot,block_n,block_k,num_stages", [
+    (False, 4, 32, 3),  # many programs, N tail, several K steps with a K tail
+    (False, 8, 128, 2),
+    (True, 16, 32, 4),
+    (True, 32, 64, 1),
 ])
 @pytest.mark.parametrize("m,n,k", [(5, 37, 100), (16, 64, 256), (37, 40, 96), (70, 40, 96)])  # 70: two M tiles
-def test_skinny_gemm_tiles(use_dot, block_n, block_k, num_stages, split_k, m, n, k):
+def test_skinny_gemm_tiles(use_dot, block_n, block_k, num_stages, m, n, k):
     """The tiles a GPU launch picks (on a CPU the launcher takes the largest): small BLOCK_N, K loops."""
-    x, w, bias, out = check_skinny_gemm(m, n, k, torch.float32, True, TOL[torch.float32], use_dot=use_dot,
-                                        block_n=block_n, block_k=block_k, num_stages=num_stages, split_k=split_k)
-    if split_k > 1:  # the counters are left zeroed for the next launch, which gives the same bits
-        assert not skinny_gemm_locks(x.device).any()
-        assert torch.equal(skinny_gemm(x, w, bias, use_dot=use_dot, block_n=block_n, block_k=block_k,
-                                       num_stages=num_stages, split_k=split_k), out)
-
-
-@pytest.mark.parametrize("m,n,k,split_k", [(16, 1024, 2048, 4), (64, 1024, 3072, 4), (128, 4096, 1024, 1)])
-def test_skinny_gemm_config(m, n, k, split_k):
-    """On an H200-sized chip (132 SMs) a 1024-feature output splits K so that every SM has a program;
-    wider outputs have programs enough without."""
-    import triton
-
-    from kernels.skinny_gemm import _config
-
-    use_dot, block_m, block_n, block_k, _, split, k_split = _config(m, n, k, 2, 132, None, None, None, None)
-    assert use_dot and split == split_k and split * k_split >= k and k_split % block_k == 0
-    assert triton.cdiv(n, block_n) * triton.cdiv(m, block_m) * split >= 132
+    check_skinny_gemm(m, n, k, torch.float32, True, TOL[torch.float32], use_dot=use_dot, block_n=block_n,
+                      block_k=block_k, num_stages=num_stages)
 
 
 def test_skinny_gemm_in_linear_layers(monkeypatch):
@@ -427,10 +406,10 @@ def test_qkv_prologue_and_silu_gpu():
 def test_skinny_gemm_gpu(k, n, m):
     """bf16 at the real decode shapes, both inner products, in and out of a CUDA graph."""
     dtype = torch.bfloat16
-    for use_dot, split_k in ((None, None), (False, 1), (True, 1), (True, 4)):
-        x, w, bias, out = check_skinny_gemm(m, n, k, dtype, use_dot is None, 4e-3, use_dot=use_dot, split_k=split_k)
-        again = skinny_gemm(x, w, bias, use_dot=use_dot, split_k=split_k)
-        assert torch.equal(again, out)  # partials are summed in split order: no order that could vary
+    for use_dot in (None, False, True):
+        x, w, bias, out = check_skinny_gemm(m, n, k, dtype, use_dot is None, 4e-3, use_dot=use_dot)
+        again = skinny_gemm(x, w, bias, use_dot=use_dot)
+        assert torch.equal(again, out)  # one program per output: no order that could vary between runs
     x = torch.randn(m, k, device=DEV, dtype=dtype)
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     skinny_gemm(x, w)  # compiles outside the capture
