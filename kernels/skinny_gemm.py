@@ -183,9 +183,8 @@ def skinny_gemm(
     unit stride along K is the fast case (x may be a row-strided view). bias may be any float
     dtype. `out` may be preallocated ([M, N], x's dtype, unit-stride rows). `gated`: x is [M, 2K],
     gate then up, and the product is silu(gate) * up @ weight^T, the activation computed as x is
-    loaded with the same roundings as kernels.silu_and_mul (so the result equals
-    skinny_gemm(silu_and_mul(x), weight) bit for bit, one launch and no [M, K] intermediate fewer).
-    The other keyword
+    loaded with kernels.silu_and_mul's roundings: the result equals skinny_gemm(silu_and_mul(x),
+    weight) bit for bit, with one launch fewer and no [M, K] intermediate. The other keyword
     arguments override the tile choice, for benchmarks; num_warps=4 suits every default tile (one
     warp group for the tensor-core path, at most 64 accumulators a thread on the CUDA-core path).
     """
