@@ -36,6 +36,7 @@ loads that feed no tl.dot), so each program keeps NUM_STAGES - 1 weight tiles in
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -156,6 +157,8 @@ def _config(m: int, n: int, k: int, esize: int, num_sms: int, use_dot: bool | No
         stage_bytes = (block_m + block_n) * esize * stages
         block_k = min(block_k, _pow2_floor(_SMEM_BUDGET // stage_bytes), triton.next_power_of_2(k))
         block_k = max(block_k, 16)
+    if gated and block_k > 16:  # EXPERIMENT: a smaller K tile for the gated loads (register pressure)
+        block_k = max(16, block_k // int(os.environ.get("NANOPLANE_GATED_BLOCK_K_DIV", "1")))
     if num_stages is None and gated:
         # A gated x tile is two loads (gate, up): one stage fewer keeps the shared memory in budget,
         # and BLOCK_K stays the ungated one, so the sums run in the same order.

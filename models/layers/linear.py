@@ -31,7 +31,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """F.linear(act(x)); `act` is the MLP's gated activation (x: gate and up side by side), which
     the skinny kernel computes as it loads x."""
     if (fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS
-            and (act is None or isinstance(act, SiluAndMul))):
+            and (act is None or (isinstance(act, SiluAndMul) and os.environ.get("NANOPLANE_GATED_DOWN", "1") == "1"))):
         import kernels
 
         return kernels.skinny_gemm(x, weight, bias, gated=act is not None)
