@@ -30,10 +30,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """F.linear(act(x)); `act` is the MLP's gated activation (x: gate and up side by side), which
     the skinny kernel computes as it loads x."""
-    if (fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS
-            and (act is None or (isinstance(act, SiluAndMul) and os.environ.get("NANOPLANE_GATED_DOWN", "1") == "1"))):
+    if fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
         import kernels
 
+        if act is not None and not (isinstance(act, SiluAndMul) and os.environ.get("NANOPLANE_GATED_DOWN", "1") == "1"):
+            x, act = act(x), None
         return kernels.skinny_gemm(x, weight, bias, gated=act is not None)
     return F.linear(x if act is None else act(x), weight, bias)
 
