@@ -25,10 +25,6 @@ persist, zeroed, between launches and graph replays. The FMA path gets its paral
 small BLOCK_N instead; the tensor-core path has 64 programs at N=1024 (BLOCK_N=16), which the
 benchmark sweep is there to weigh against the FMA path at those M.
 
-The MLP's down projection passes `gated=True`: the SwiGLU activation silu(gate) * up is computed
-as x is loaded, which removes one launch per layer from every decode step up to 64 rows (the
-~2 us a small kernel costs in the step's chain, BENCHMARKS.md) and the intermediate's round trip.
-
 No autotune (a first call inside CUDA-graph capture would benchmark there): the launcher picks
 tiles from the shape, `_config` documents how, and keyword overrides let benchmarks/kernels.py
 sweep alternatives. The loop is software-pipelined (`tl.range(num_stages=...)` also pipelines
@@ -36,7 +32,6 @@ loads that feed no tl.dot), so each program keeps NUM_STAGES - 1 weight tiles in
 """
 
 import functools
-import os
 
 import torch
 import triton
@@ -63,7 +58,7 @@ _SMEM_BUDGET = 128 * 1024
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr,
     M, N, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
-    K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -90,18 +85,12 @@ def _skinny_gemm_kernel(
         x_ptrs = x_rows + ks[None, :] * stride_xk
         w_ptrs = w_rows + ks[None, :] * stride_wk
         if EVEN_K:  # the usual case (K a multiple of BLOCK_K): no K mask to compute every iteration
-            x_mask = m_mask[:, None]
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k_mask = ks < K
-            x_mask = m_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if GATED:  # x holds gate, then up (K columns each): silu(gate) * up, rounded as silu_and_mul does
-            up = tl.load(x_ptrs + K * stride_xk, mask=x_mask, other=0.0)
-            g = x.to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-            x = (silu * up.to(tl.float32)).to(x.dtype)
         if USE_DOT:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
         else:
@@ -129,7 +118,7 @@ def _pow2_floor(n: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _config(m: int, n: int, k: int, esize: int, num_sms: int, use_dot: bool | None, block_n: int | None,
-            block_k: int | None, num_stages: int | None, gated: bool = False) -> tuple[bool, int, int, int, int]:
+            block_k: int | None, num_stages: int | None) -> tuple[bool, int, int, int, int]:
     """(use_dot, BLOCK_M, BLOCK_N, BLOCK_K, num_stages); None arguments take the defaults below."""
     if use_dot is None:
         use_dot = m > _FMA_MAX_M
@@ -148,22 +137,17 @@ def _config(m: int, n: int, k: int, esize: int, num_sms: int, use_dot: bool | No
         block_n = max_n
         while block_n > min_n and triton.cdiv(n, block_n) < target:
             block_n //= 2
-    stages = num_stages or (4 if use_dot else 3)
+    if num_stages is None:
+        num_stages = 4 if use_dot else 3
     if block_k is None:
         # As long as registers (FMA accumulator) and the shared-memory stages allow, within K.
         block_k = 1024
         if not use_dot:
             block_k = min(block_k, _pow2_floor(_FMA_ACC // (block_m * block_n)))
-        stage_bytes = (block_m + block_n) * esize * stages
+        stage_bytes = (block_m + block_n) * esize * num_stages
         block_k = min(block_k, _pow2_floor(_SMEM_BUDGET // stage_bytes), triton.next_power_of_2(k))
         block_k = max(block_k, 16)
-    if gated and block_k > 16:  # EXPERIMENT: a smaller K tile for the gated loads (register pressure)
-        block_k = max(16, block_k // int(os.environ.get("NANOPLANE_GATED_BLOCK_K_DIV", "1")))
-    if num_stages is None and gated:
-        # A gated x tile is two loads (gate, up): one stage fewer keeps the shared memory in budget,
-        # and BLOCK_K stays the ungated one, so the sums run in the same order.
-        stages = max(2, stages - 1)
-    return use_dot, block_m, block_n, block_k, stages
+    return use_dot, block_m, block_n, block_k, num_stages
 
 
 def skinny_gemm(
@@ -172,7 +156,6 @@ def skinny_gemm(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-    gated: bool = False,
     use_dot: bool | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -184,19 +167,13 @@ def skinny_gemm(
     For small M (a decode step's 1..64 rows): it streams the weight once; larger M works but reads
     the weight once per 64 rows. x and weight share a dtype (fp32/fp16/bf16); any strides work,
     unit stride along K is the fast case (x may be a row-strided view). bias may be any float
-    dtype. `out` may be preallocated ([M, N], x's dtype, unit-stride rows). `gated`: x is [M, 2K],
-    gate then up, and the product is silu(gate) * up @ weight^T, the activation computed as x is
-    loaded with kernels.silu_and_mul's roundings: the result equals skinny_gemm(silu_and_mul(x),
-    weight) bit for bit, with one launch fewer and no [M, K] intermediate. The other keyword
+    dtype. `out` may be preallocated ([M, N], x's dtype, unit-stride rows). The other keyword
     arguments override the tile choice, for benchmarks; num_warps=4 suits every default tile (one
     warp group for the tensor-core path, at most 64 accumulators a thread on the CUDA-core path).
     """
     assert x.dim() == 2 and weight.dim() == 2, "x [M, K] and weight [N, K]"
     m, k = x.shape
     n = weight.shape[0]
-    if gated:
-        assert k % 2 == 0, "a gated x is gate and up side by side"
-        k //= 2
     assert weight.shape[1] == k, f"x has {k} features, weight {weight.shape[1]}"
     assert x.dtype == weight.dtype and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
     assert x.device == weight.device
@@ -207,12 +184,12 @@ def skinny_gemm(
     if m == 0 or n == 0:
         return y
     use_dot, block_m, block_n, block_k, num_stages = _config(
-        m, n, k, x.element_size(), _num_sms(x.device), use_dot, block_n, block_k, num_stages, gated)
+        m, n, k, x.element_size(), _num_sms(x.device), use_dot, block_n, block_k, num_stages)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y,  # placeholder bias: HAS_BIAS=False drops it
         m, n, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
-        K=k, GATED=gated, HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
+        K=k, HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models stay exact (no TF32)
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),

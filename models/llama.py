@@ -64,9 +64,7 @@ class MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The down projection applies the activation itself: with the fused kernels at decode sizes
-        # it is folded into the projection's loads (kernels/skinny_gemm.py).
-        return self.down_proj(self.gate_up_proj(x), act=self.act_fn)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

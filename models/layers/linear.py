@@ -8,13 +8,11 @@ checkpoint tensors in one weight; their loader is told which part (`shard_id`) i
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.activation import SiluAndMul
 from models.layers.fused import fused_kernels_enabled
 from models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
@@ -26,17 +24,12 @@ from models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 SKINNY_MAX_ROWS = int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "64"))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """F.linear(act(x)); `act` is the MLP's gated activation (x: gate and up side by side), which
-    the skinny kernel computes as it loads x."""
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
         import kernels
 
-        if act is not None and not (isinstance(act, SiluAndMul) and os.environ.get("NANOPLANE_GATED_DOWN", "1") == "1"):
-            x, act = act(x), None
-        return kernels.skinny_gemm(x, weight, bias, gated=act is not None)
-    return F.linear(x if act is None else act(x), weight, bias)
+        return kernels.skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
@@ -119,10 +112,9 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * size, size)
         _copy(param, loaded)
 
-    def forward(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """self(act(x)): `act` is the gated activation before a down projection (see _linear)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the partial products are summed.
-        y = _linear(x, self.weight, act=act)
+        y = _linear(x, self.weight)
         if self.tp_size > 1:
             y = all_reduce(y)
         return y + self.bias if self.bias is not None else y
