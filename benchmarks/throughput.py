@@ -67,6 +67,12 @@ def make_random_model(path: Path, shape: str = "0.6b") -> None:
     del model
     save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
+    # The file's dirty pages (16 GB at 8B) are written back to disk over the next seconds; a run that
+    # starts right away shares the host with that. Suspected (not shown) cause of the first TP=2 run of
+    # a call being ~1 s slower in its small-batch steps (BENCHMARKS.md): write them back before timing.
+    t = time.perf_counter()
+    os.sync()
+    print(f"wrote {path / 'model.safetensors'} and flushed it to disk ({time.perf_counter() - t:.1f} s)", flush=True)
 
 
 def warmup_workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -355,14 +361,22 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
         warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
 
         asyncio.run(drive_streams(address, warm_prompts, warm_tokens, "Warm-up"))
-        total, messages, elapsed = asyncio.run(drive_streams(address, prompts, max_tokens, "Streams"))
         procs = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        # CPU seconds each process spends on the run: a process near one CPU second a second (the
+        # client's event loop, the control plane's) is what bounds the run, not the GPU.
+        cpu_before = [time.process_time()] + [sum(p.cpu_times()[:2]) for p in procs]
+        total, messages, elapsed = asyncio.run(drive_streams(address, prompts, max_tokens, "Streams"))
+        cpu_after = [time.process_time()] + [sum(p.cpu_times()[:2]) for p in procs]
         rss = {p.pid: p.memory_info().rss / 2**30 for p in procs}
         print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | messages/s (tokens each) "
               "| RSS GiB per process (serve first) |")
         print(f"| service {args.shape} TP={args.tensor_parallel_size} | {total} | {elapsed:.2f} | "
               f"{total / elapsed:,.0f} | {floor_cells(args.shape, args.tensor_parallel_size, total / elapsed)} | "
               f"{messages / elapsed:,.0f} ({total / messages:.2f}) | {', '.join(f'{v:.1f}' for v in rss.values())} |")
+        names = ["client"] + [f"pid {p.pid} ({' '.join(p.cmdline())[-32:]})" for p in procs]
+        busy = [(a - b) / elapsed for a, b in zip(cpu_after, cpu_before, strict=True)]
+        print("CPU seconds a second during the run (1.0 = one core busy throughout): "
+              + ", ".join(f"{name}: {b:.2f}" for name, b in zip(names, busy, strict=True)), flush=True)
         ttft, itl = asyncio.run(one_stream(address))
         print(f"| service, one stream alone (512-token prompt, greedy) | TTFT {ttft * 1e3:.1f} ms | inter-token "
               f"{itl * 1e3:.2f} ms (median, at the client) |")
