@@ -21,9 +21,10 @@ Two inner products, chosen per call:
 
 No split over K: reducing the partial sums inside the same launch takes a semaphore (the last
 program of an N tile to arrive adds the others' partials), i.e. a workspace and counters that must
-persist, zeroed, between launches and graph replays. The FMA path gets its parallelism from a
-small BLOCK_N instead; the tensor-core path has 64 programs at N=1024 (BLOCK_N=16), which the
-benchmark sweep is there to weigh against the FMA path at those M.
+persist, zeroed, between launches and graph replays. It was built and measured (7d50cb7, reverted;
+BENCHMARKS.md): 6-9% off a layer's four projections at 16-64 rows in isolation, nothing off the
+whole benchmark. The FMA path gets its parallelism from a small BLOCK_N instead; the tensor-core
+path has 64 programs at N=1024 (BLOCK_N=16).
 
 No autotune (a first call inside CUDA-graph capture would benchmark there): the launcher picks
 tiles from the shape, `_config` documents how, and keyword overrides let benchmarks/kernels.py
@@ -42,8 +43,9 @@ from kernels.pdl import pdl_args, pdl_prologue
 # Rows one tensor-core program covers: with programmatic dependent launch a decode step of up to
 # 64 rows runs its linear layers here rather than in cuBLAS (NANOPLANE_SKINNY_MAX_ROWS).
 _DOT_MAX_BLOCK_M = 64
-# Rows up to which the CUDA-core path is the default (to be confirmed on a GPU with
-# `benchmarks/kernels.py --only skinny_sweep`).
+# Rows up to which the CUDA-core path is the default. The H200 sweep (`benchmarks/kernels.py --only
+# skinny_sweep`, 7d50cb7, BENCHMARKS.md) found it fastest at 4 rows for the 1024-feature outputs
+# (o_proj 3.7 vs 5.8 us) but slower for the wide ones (qkv 6.8 vs 4.4 us with BLOCK_N=32).
 _FMA_MAX_M = 4
 # Fewer programs than this per SM leaves bandwidth unused at these sizes (~2-12 MB per launch).
 _PROGRAMS_PER_SM = 2
