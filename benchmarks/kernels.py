@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
 
-    python benchmarks/kernels.py [--only read,decode,decode_sweep,prefill,rms_norm,rotary,store,sample,skinny,
-                                         skinny_sweep]
+    python benchmarks/kernels.py [--only read,decode,decode_mixed,decode_sweep,prefill,rms_norm,rotary,store,
+                                         sample,skinny,skinny_sweep]
                                  [--dtype bf16]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
@@ -132,6 +132,45 @@ def bench_decode_sweep(dtype: torch.dtype) -> None:
             t = triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
             label = f"decode B={batch:<3} ctx={ctx} splits={splits}{' (heuristic)' if splits == picked else ''}"
             print(f"{label:<96} {t:7.1f} us  {nbytes / t / 1e6:5.2f} TB/s  {floor / t:6.1%} of floor", flush=True)
+
+
+def workload_contexts(step: int) -> list[int]:
+    """Context lengths of the sequences still running at decode step `step` of throughput.py's
+    workload (same random draws), in request order: the batch a decode step of the bench sees."""
+    import random
+
+    random.seed(0)
+    prompts = [len([random.randint(0, 10000) for _ in range(random.randint(100, 1024))]) for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    return [p + step + 1 for p, m in zip(prompts, max_tokens, strict=True) if m > step]
+
+
+def bench_decode_mixed(dtype: torch.dtype) -> None:
+    """Decode attention over the bench's own mix of context lengths (not one length for all), with
+    the rows handed to programs in request order or longest first, against their read floor."""
+    from kernels import decode_attention
+
+    decode_attention.ORDER_MIN_WAVES = 0  # follow the given order at every batch size
+    esize = torch.finfo(dtype).bits // 8
+    for step in (0, 200, 400, 500, 600, 650, 700, 750, 800):
+        lens_list = workload_contexts(step)
+        batch = len(lens_list)
+        k_cache, v_cache, tables, lens = paged(lens_list, 256, dtype)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=dtype)
+        expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, D**-0.5)
+        nbytes = sum(lens_list) * HKV * D * 2 * esize
+        floor = nbytes / BANDWIDTH * 1e6
+        longest = torch.argsort(lens, descending=True, stable=True).int()
+        shortest = torch.argsort(lens, stable=True).int()
+        for label, order, splits in (("request order", None, None), ("longest first", longest, None),
+                                     ("shortest first", shortest, None), ("request order, 2 splits", None, 2)):
+            fn = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lens, D**-0.5,
+                                   seq_order=order, num_splits=splits)
+            err = ((fn().float() - expected.float()).norm() / expected.float().norm()).item()
+            assert err < 2e-2, f"relative error {err:.2e}"
+            t = triton.testing.do_bench_cudagraph(fn, rep=100) * 1e3
+            name = f"decode mixed step={step} B={batch} mean ctx={sum(lens_list) // batch} {label}"
+            print(f"{name:<84} {t:7.1f} us  {nbytes / t / 1e6:5.2f} TB/s  {floor / t:6.1%} of floor", flush=True)
 
 
 def bench_prefill(dtype: torch.dtype) -> None:
@@ -308,7 +347,8 @@ def bench_skinny_sweep(dtype: torch.dtype) -> None:
                 print(f"{label:<84} {t:7.2f} us  {floor / t:6.1%} of floor", flush=True)
 
 
-BENCHES = {"read": bench_read, "decode": bench_decode, "decode_sweep": bench_decode_sweep,
+BENCHES = {"read": bench_read, "decode": bench_decode, "decode_mixed": bench_decode_mixed,
+           "decode_sweep": bench_decode_sweep,
            "prefill": bench_prefill, "rms_norm": bench_rms_norm,
            "rotary": bench_rotary, "store": bench_store, "sample": bench_sample, "skinny": bench_skinny,
            "skinny_sweep": bench_skinny_sweep}

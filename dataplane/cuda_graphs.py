@@ -30,8 +30,14 @@ from models.context import AttentionContext, reset_context, set_context
 # int64 rows of a bucket's static input block: token-buffer row, position, KV slot, position the
 # sampled token is written to, sampler key, sampler offset.
 _I64_ROWS = 6
-# The int32 block: context lengths, then temperatures (float32 bits); 0 in both for padding rows.
-_I32_ROWS = 2
+# The int32 block: context lengths, temperatures (float32 bits), 0 in both for padding rows; then the
+# rows longest context first (padding rows last).
+_I32_ROWS = 3
+
+
+def longest_first(context_lens: np.ndarray) -> np.ndarray:
+    """Row indices by decreasing context length (ties in row order): the decode kernel's launch order."""
+    return np.argsort(-context_lens, kind="stable").astype(np.int32)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -69,14 +75,14 @@ class DecodeGraphs:
     def _inputs(self, bs: int) -> tuple[torch.Tensor, ...]:
         """Views of the static buffers as bucket `bs` lays them out (each dtype's block contiguous)."""
         rows = self.i64[: _I64_ROWS * bs].view(_I64_ROWS, bs)
-        return (*rows, self.i32[:bs], self.i32[bs: _I32_ROWS * bs].view(torch.float32))
+        return (*rows, self.i32[:bs], self.i32[bs: 2 * bs].view(torch.float32), self.i32[2 * bs: 3 * bs])
 
     def _forward(self, bs: int) -> torch.Tensor:
-        slots, positions, slot_mapping, _, _, _, context_lens, _ = self._inputs(bs)
+        slots, positions, slot_mapping, _, _, _, context_lens, _, order = self._inputs(bs)
         set_context(AttentionContext(is_decode=True, slot_mapping=slot_mapping,
                                      cu_seqlens_q=self.cu_seqlens_q[:bs + 1], max_seqlen_q=1,
                                      context_lens=context_lens, max_context_len=0,
-                                     block_tables=self.block_tables[:bs]))
+                                     block_tables=self.block_tables[:bs], decode_order=order))
         try:
             hidden = self.model(self.token_buf[slots, positions], positions)
             if self.with_head:
@@ -112,7 +118,7 @@ class DecodeGraphs:
             if not self.with_head:
                 continue
             logits = self.outputs[bs]
-            _, _, _, _, keys, offsets, _, temperature = self._inputs(bs)
+            _, _, _, _, keys, offsets, _, temperature, _ = self._inputs(bs)
             self.greedy_tails[bs], _ = capture(lambda bs=bs, lg=logits: self._tail(bs, lg.argmax(dim=-1)))
             if sample is not None:
                 self.sample_tails[bs], _ = capture(
@@ -140,6 +146,7 @@ class DecodeGraphs:
         i32 = np.zeros((_I32_ROWS, bs), dtype=np.int32)
         i32[0, :n] = context_lens
         i32[1, :n] = temperature.astype(np.float32).view(np.int32)
+        i32[2] = longest_first(i32[0])
         return i64.ravel(), i32.ravel()
 
     def _pad(self, bs: int) -> None:

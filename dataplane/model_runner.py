@@ -20,7 +20,7 @@ from dataplane import kv_cache
 from dataplane.allreduce import make_fast_all_reduce
 from dataplane.batch_state import BatchState, StepRefused
 from dataplane.config import DataPlaneConfig
-from dataplane.cuda_graphs import DecodeGraphs
+from dataplane.cuda_graphs import DecodeGraphs, longest_first
 from dataplane.sampler import Sampler, filtered_rows
 from dataplane.uploader import Uploader
 from models.attention_backend import resolve_backend_name, set_backend
@@ -238,13 +238,14 @@ class ModelRunner:
             st.num_known[slots[grew]] += 1
             return sampled
         (positions_t, slot_of_token_t, slot_mapping_t, last_rows_t, grew_t, grew_slots_t, grew_pos_t, cu_t,
-         context_lens_t, tables_t) = self.upload(
+         context_lens_t, tables_t, order_t) = self.upload(
             positions, slot_of_token, slot_mapping, (cu[1:] - 1).astype(np.int64), grew.astype(np.int64),
-            slots[grew], context_lens[grew].astype(np.int64), cu, context_lens, tables)
+            slots[grew], context_lens[grew].astype(np.int64), cu, context_lens, tables, longest_first(context_lens))
         input_ids = st.token_buf[slot_of_token_t, positions_t]
         set_context(AttentionContext(is_decode=is_decode, slot_mapping=slot_mapping_t, cu_seqlens_q=cu_t,
                                      max_seqlen_q=int(scheduled.max()), context_lens=context_lens_t,
-                                     max_context_len=int(context_lens.max()), block_tables=tables_t))
+                                     max_context_len=int(context_lens.max()), block_tables=tables_t,
+                                     decode_order=order_t if is_decode else None))
         hidden = self.model(input_ids, positions_t)
         reset_context()
         logits = self.model.compute_logits(hidden if is_decode else hidden[last_rows_t])

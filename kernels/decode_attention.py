@@ -7,6 +7,7 @@ programs (small batches, long contexts); a second kernel merges the partial soft
 """
 
 import functools
+import os
 
 import torch
 import triton
@@ -22,6 +23,11 @@ from kernels.pdl import pdl_args, pdl_prologue
 # a third pipeline stage took batch 256 x context 1024 from 265 to 249 us and batch 64 from 76 to
 # 66 us; the KV-head-fastest grid took batch 256 on to 244 us (4.40 TB/s, above what torch.sum reads).
 TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
+# A given `seq_order` (longest context first) is followed only from this many programs per SM: with
+# many waves it keeps a long row from running alone at the end of the launch (H200, the throughput
+# bench's context mix: 2-5% faster from ~6 waves up), with few waves it crowds the long rows onto the
+# same SMs (3.6 waves: 8% slower). NANOPLANE_DECODE_ORDER_WAVES moves the threshold (0: always).
+ORDER_MIN_WAVES = float(os.environ.get("NANOPLANE_DECODE_ORDER_WAVES", "4"))
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
@@ -29,14 +35,14 @@ _MAX_SPLITS = 64
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, seq_order_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2e, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, USE_PDL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
@@ -45,6 +51,10 @@ def _decode_split_kernel(
     else:
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+    if HAS_ORDER:
+        # Programs start in grid order: handing out the longest contexts first keeps one long
+        # sequence from running alone at the end of the launch.
+        seq = tl.load(seq_order_ptr + seq)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     # Per-sequence split length, tile-aligned: short sequences leave trailing splits empty (cheap
@@ -146,7 +156,7 @@ def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning):
+def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning, seq_order):
     tune = TUNING if not tuning else {**TUNING, **tuning}
     batch, num_q_heads, head_dim = q.shape
     if batch > 65535:  # a CUDA grid's second axis stops there; the first goes to 2**31 - 1
@@ -156,6 +166,9 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, 
     if num_splits is None:
         num_splits = _choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, q.device)
     direct = num_splits == 1
+    if seq_order is not None and q.device.type == "cuda":
+        waves = batch * num_kv_heads * num_splits / _num_sms(q.device.index or 0)
+        seq_order = seq_order if waves >= ORDER_MIN_WAVES else None
     if direct:
         part_acc = part_m = part_l = out  # unused placeholders: DIRECT compiles their stores away
     else:
@@ -165,14 +178,15 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, 
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (num_kv_heads, batch, num_splits) if tune["heads_fastest"] else (batch, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * 1.4426950408889634, num_splits,
+        q, k_cache, v_cache, block_tables, context_lens, context_lens if seq_order is None else seq_order,
+        out, part_acc, part_m, part_l, scale * 1.4426950408889634, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, DIRECT=direct,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tune["block_n"],
         PREC="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FASTEST=tune["heads_fastest"],
-        num_warps=tune["num_warps"], num_stages=tune["num_stages"], **pdl_args(q.device),
+        HAS_ORDER=seq_order is not None, num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+        **pdl_args(q.device),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -194,6 +208,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tuning: dict | None = None,
+    seq_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its first context_lens[b] cached keys.
 
@@ -201,7 +216,8 @@ def paged_decode_attention(
     H_kv, D] contiguous, same dtype as q; block_tables: [B, max_blocks] int32; context_lens: [B]
     int32. Rows with context_len 0 produce zeros. `out` ([B, H_q, D], q's dtype) may be given for
     static CUDA-graph buffers; `num_splits` overrides the split-KV heuristic and `tuning` entries of
-    TUNING (tests, benchmarks).
+    TUNING (tests, benchmarks). `seq_order` ([B] int32, a permutation of the rows) is the order in
+    which rows are handed to programs: longest context first evens out the end of the launch.
     """
     assert q.dim() == 3 and q.stride(-1) == 1, "q must be [B, H_q, D] with unit-stride last dim"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -209,9 +225,11 @@ def paged_decode_attention(
     assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
     assert block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
     assert context_lens.shape == (q.shape[0],)
+    assert seq_order is None or (seq_order.shape == (q.shape[0],) and seq_order.dtype == torch.int32)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     assert out.shape == q.shape and out.stride(-1) == 1 and out.dtype == q.dtype
     if q.shape[0] == 0:
         return out
-    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning)
+    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning,
+                          seq_order)

@@ -74,7 +74,8 @@ class TritonBackend(TorchBackend):
 
     def attend(self, q, k_cache, v_cache, ctx, scale) -> torch.Tensor:
         if ctx.is_decode:
-            return self.k.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale)
+            return self.k.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.context_lens, scale,
+                                                 seq_order=ctx.decode_order)
         return self.k.paged_prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens,
                                               ctx.block_tables, ctx.max_seqlen_q, scale)
 

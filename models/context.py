@@ -20,6 +20,8 @@ class AttentionContext:
     context_lens: torch.Tensor | None = None  # [B] int32: keys per row, this step's tokens included
     max_context_len: int = 0  # longest context_lens entry (host copy, for the torch backend)
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32: KV blocks of each row
+    decode_order: torch.Tensor | None = None  # [B] int32: rows longest context first (decode kernel's
+    # launch order; None: row order)
 
 
 _CONTEXT = AttentionContext()

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import zlib  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
@@ -116,6 +117,31 @@ def test_decode(dtype, hq, hkv, d, page, ctx_lens, num_splits, monkeypatch):
     for b, n in enumerate(ctx_lens):
         if n == 0:
             assert (out[b] == 0).all()
+
+
+@pytest.mark.parametrize("heads_fastest", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_seq_order(heads_fastest, num_splits):
+    """Rows handed to programs in a given order (longest context first, or any permutation) land in
+    their own output rows; the result does not depend on the order."""
+    ctx_lens = [5, 300, 0, 64, 129, 1]
+    k_cache, v_cache, tables = paged_cache(ctx_lens, 16, 2, 64, torch.float32)
+    q = torch.randn(len(ctx_lens), 4, 64, device=DEV)
+    lens = i32(ctx_lens)
+    expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.125)
+    for order in (torch.argsort(lens, descending=True, stable=True).int(), i32([2, 0, 5, 1, 4, 3])):
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=out, num_splits=num_splits,
+                               seq_order=order, tuning=dict(heads_fastest=heads_fastest))
+        assert rel_err(out, expected) < TOL[torch.float32]
+        assert (out[2] == 0).all()
+
+
+def test_longest_first():
+    from dataplane.cuda_graphs import longest_first
+
+    order = longest_first(np.array([3, 9, 0, 9, 4], dtype=np.int32))
+    assert order.dtype == np.int32 and order.tolist() == [1, 3, 4, 0, 2]  # ties keep row order
 
 
 @pytest.mark.parametrize("tuning", [dict(heads_fastest=False), dict(block_n=32, heads_fastest=True),
@@ -351,6 +377,10 @@ def test_decode_gpu(batch, max_ctx, page):
     out = paged_decode_attention(q, k_cache, v_cache, tables, i32(ctx_lens), d**-0.5)
     expected = ref.paged_decode_attention_ref(q, k_cache, v_cache, tables, i32(ctx_lens), d**-0.5)
     assert rel_err(out, expected) < TOL[dtype]
+    # Longest context first, followed from the threshold's batch sizes up (256 rows are past it).
+    order = torch.argsort(i32(ctx_lens), descending=True, stable=True).int()
+    ordered = paged_decode_attention(q, k_cache, v_cache, tables, i32(ctx_lens), d**-0.5, seq_order=order)
+    assert torch.equal(ordered, out)
 
 
 @gpu
