@@ -161,9 +161,9 @@ def bench_decode_mixed(dtype: torch.dtype) -> None:
         nbytes = sum(lens_list) * HKV * D * 2 * esize
         floor = nbytes / BANDWIDTH * 1e6
         longest = torch.argsort(lens, descending=True, stable=True).int()
-        shortest = torch.argsort(lens, stable=True).int()
         for label, order, splits in (("request order", None, None), ("longest first", longest, None),
-                                     ("shortest first", shortest, None), ("request order, 2 splits", None, 2)):
+                                     ("longest first, 2 splits", longest, 2), ("longest first, 3 splits", longest, 3),
+                                     ("request order, 2 splits", None, 2)):
             fn = functools.partial(paged_decode_attention, q, k_cache, v_cache, tables, lens, D**-0.5,
                                    seq_order=order, num_splits=splits)
             err = ((fn().float() - expected.float()).norm() / expected.float().norm()).item()

@@ -28,6 +28,11 @@ TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
 # bench's context mix: 2-5% faster from ~6 waves up), with few waves it crowds the long rows onto the
 # same SMs (3.6 waves: 8% slower). NANOPLANE_DECODE_ORDER_WAVES moves the threshold (0: always).
 ORDER_MIN_WAVES = float(os.environ.get("NANOPLANE_DECODE_ORDER_WAVES", "4"))
+# Between two and this many waves of one-split programs, two splits: halving every row's work halves
+# the uneven end of the launch, which with few waves outweighs the second kernel (H200, the bench's
+# context mix, longest first: 59-101 rows 2-12% faster, 126 rows and up 1 split stays faster).
+# NANOPLANE_DECODE_TWO_SPLIT_WAVES moves the bound (0: off).
+TWO_SPLIT_WAVES = float(os.environ.get("NANOPLANE_DECODE_TWO_SPLIT_WAVES", "7"))
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
@@ -146,7 +151,10 @@ def _choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
     # Decided from shapes only, never from context_lens: reading those back would sync the host
     # and break CUDA-graph capture. Aim for about two waves of programs over the SMs.
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    want = triton.cdiv(2 * sms, max(batch * num_kv_heads, 1))
+    programs = max(batch * num_kv_heads, 1)
+    want = triton.cdiv(2 * sms, programs)
+    if want == 1 and programs < TWO_SPLIT_WAVES * sms:
+        want = 2
     cap = max(1, min(_MAX_SPLITS, triton.cdiv(max_context, _MIN_SPLIT_TOKENS)))
     return max(1, min(want, cap))
 
