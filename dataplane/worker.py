@@ -163,8 +163,9 @@ class _Pace:
     N steps). With a step in flight the control plane sends step s + 1 after it has step s - 1's
     result, and the GPU stays busy only if that descriptor arrives before step s ends. Logged: the
     rank's host time per launch, the control plane's turnaround (result s - 1 sent to descriptor s + 1
-    received; spells over a second are idleness, not turnaround, and are left out), and the steps
-    whose descriptor came only after the previous step's result had gone out (the GPU waited)."""
+    received; spells over a second are idleness, not turnaround, and are left out), the steps whose
+    descriptor came only after the previous step's result had gone out, and the steps whose launch
+    ended after the GPU had finished the step before (either way the GPU waited for the host)."""
 
     IDLE_S = 1.0
 
@@ -173,6 +174,7 @@ class _Pace:
         self.launch: list[float] = []
         self.turnaround: list[float] = []
         self.dry = 0
+        self.late = 0
         self.sent: dict[int, float] = {}  # step id -> when its result went out (the latest few)
 
     def received(self, step_id: int) -> None:
@@ -181,14 +183,16 @@ class _Pace:
             self.turnaround.append(now - at)
         self.dry += step_id - 1 in self.sent
 
-    def launched(self, seconds: float) -> None:
+    def launched(self, seconds: float, previous_done: bool) -> None:
+        """`previous_done`: the step before this one had finished on the GPU when this launch ended."""
         self.launch.append(seconds)
+        self.late += previous_done
         if len(self.launch) >= self.every:
             ms = lambda xs: f"{np.median(xs) * 1e3:.3f}/{np.percentile(xs, 90) * 1e3:.3f}" if xs else "n/a"  # noqa: E731
             log.info("rank %d, last %d steps: launch %s ms (median/p90), control-plane turnaround %s ms, "
-                     "GPU waited for %d descriptors", self.rank, len(self.launch), ms(self.launch),
-                     ms(self.turnaround), self.dry)
-            self.launch, self.turnaround, self.dry = [], [], 0
+                     "GPU waited for %d descriptors and %d launches", self.rank, len(self.launch),
+                     ms(self.launch), ms(self.turnaround), self.dry, self.late)
+            self.launch, self.turnaround, self.dry, self.late = [], [], 0, 0
 
     def sent_result(self, step_id: int) -> None:
         self.sent[step_id] = time.perf_counter()
@@ -243,7 +247,12 @@ class _StepLoop:
         with self.fatal(desc.step_id):
             self.steps.append(self.runner.launch(desc))
         if self.pace:
-            self.pace.launched(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            # With a step still running the GPU was busy throughout; if it has finished, the GPU
+            # sat idle for part of this launch (refusals and CPU steps carry no event: not counted).
+            older = self.steps[0] if len(self.steps) == 2 else None
+            timed = older is not None and not isinstance(older, StepResult) and older.done is not None
+            self.pace.launched(seconds, timed and self.oldest_done())
 
     def oldest_done(self) -> bool:
         step = self.steps[0]

@@ -33,13 +33,15 @@ class Done:
 
 
 class FakeRunner:
-    def __init__(self, clock: Clock, log: list, gpu_ticks: int | None = 3, refuse=(), explode=()):
+    def __init__(self, clock: Clock, log: list, gpu_ticks: int | None = 3, refuse=(), explode=(), launch_ticks=0):
         self.clock, self.log, self.gpu_ticks = clock, log, gpu_ticks  # gpu_ticks None: a CPU runner
+        self.launch_ticks = launch_ticks  # host time a launch takes before its step is queued
         self.refuse, self.explode = set(refuse), set(explode)
         self.in_flight = self.max_in_flight = 0
 
     def launch(self, desc: StepDescriptor) -> Launched:
         self.log.append(("launch", desc.step_id))
+        self.clock.now += self.launch_ticks
         if desc.step_id in self.explode:
             raise RuntimeError("CUDA error: an illegal memory access")
         if desc.step_id in self.refuse:
@@ -102,11 +104,13 @@ def step(step_id: int, epoch: int = EPOCH) -> list:
     return codec.encode_descriptor(desc)
 
 
-def drive(arrivals: list[tuple[int, list]], rank: int = 0, **runner_kw):
+def drive(arrivals: list[tuple[int, list]], rank: int = 0, loops: list | None = None, **runner_kw):
     clock, log, live = Clock(), [], FakeLive()
     runner = FakeRunner(clock, log, **runner_kw)
     data = FakeSocket(clock, log, live, arrivals)
     loop = _StepLoop(runner, data, EPOCH, rank)
+    if loops is not None:
+        loops.append(loop)
     loop.run(live)
     return log, data, runner, live
 
@@ -183,20 +187,30 @@ def test_pace_counts_turnaround_and_the_descriptors_the_gpu_waited_for(caplog):
     # Steady pipeline: descriptor s + 1 arrives after result s - 1 went out, before result s.
     pace.sent_result(0)
     pace.received(2)
-    pace.launched(0.001)
+    pace.launched(0.001, False)
     # The GPU ran dry: result 2 went out before descriptor 3 came.
     pace.sent_result(1)
     pace.sent_result(2)
     pace.received(3)
-    pace.launched(0.001)
-    assert len(pace.turnaround) == 2 and pace.dry == 1
+    pace.launched(0.001, False)
+    assert len(pace.turnaround) == 2 and pace.dry == 1 and pace.late == 0
     # After an idle spell a new burst's first descriptor is not a turnaround, though it counts as a
     # descriptor the GPU waited for (it had nothing queued).
     pace.sent[3] = pace.sent[2] = 0.0  # results sent long ago
     pace.received(4)
-    pace.launched(0.001)
-    assert len(pace.turnaround) == 2 and pace.dry == 2
+    pace.launched(0.001, True)  # and the step before had finished by the time this launch ended
+    assert len(pace.turnaround) == 2 and pace.dry == 2 and pace.late == 1
     with caplog.at_level("INFO", logger="nanoplane.dataplane"):
-        pace.launched(0.001)
-    assert "last 4 steps" in caplog.text and "GPU waited for 2 descriptors" in caplog.text
-    assert pace.launch == [] and pace.turnaround == [] and pace.dry == 0
+        pace.launched(0.001, False)
+    assert "last 4 steps" in caplog.text and "GPU waited for 2 descriptors and 1 launches" in caplog.text
+    assert pace.launch == [] and pace.turnaround == [] and pace.dry == 0 and pace.late == 0
+
+
+@pytest.mark.parametrize("launch_ticks,late", [(0, 0), (5, 1)])
+def test_pace_counts_launches_that_end_after_the_previous_step_finished(monkeypatch, launch_ticks, late):
+    """Step 1 arrives while step 0 runs (3 ticks); a 5-tick launch of it ends after step 0 is done."""
+    monkeypatch.setenv("NANOPLANE_RANK_PACE", "1000")
+    loops = []
+    drive([(0, step(0)), (1, step(1))], gpu_ticks=3, loops=loops, launch_ticks=launch_ticks)
+    pace = loops[0].pace
+    assert pace.late == late and len(pace.launch) == 2
