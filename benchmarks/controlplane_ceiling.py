@@ -7,10 +7,12 @@ benchmarks/throughput.py (256 streams from one client process, nano-vllm's promp
 lengths, the same tokenizer and vocabulary); the "data plane" samples uniform random ids and may be
 told to take `--step-ms` per step, as a GPU would.
 
-    python benchmarks/controlplane_ceiling.py [--step-ms 0] [--profile] [--remote]
+    python benchmarks/controlplane_ceiling.py [--step-ms 0] [--profile] [--remote [--engine-process]]
 
 `--remote` puts the real ZeroMQ path in between: the control plane binds as `nanoplane serve` does and
 a rank process (dataplane/worker.py's loop) answers, its model runner only emulating the step time.
+`--engine-process` runs the engine in its own process as NANOPLANE_ENGINE_PROCESS=1 does (the control
+plane's critical path is then timed by the rank: NANOPLANE_RANK_PACE=N).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def time_critical_path(plane) -> list[float]:
     return spans
 
 
-def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, remote: str = "") -> None:
+def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, remote: str = "",
+          engine_process: bool = False) -> None:
     """The control plane as `nanoplane serve` runs it (its GIL switch interval too), in this process;
     over ZeroMQ to a rank at `remote` (an ipc:// address) if given, else over an in-process stand-in."""
     from controlplane.async_engine import AsyncEngine
@@ -163,10 +166,19 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
 
     async def main() -> None:
         config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
-        plane = RemoteDataPlane(remote, world_size=1) if remote else InstantDataPlane(QWEN3_06B["vocab_size"], step_s)
-        spans = time_critical_path(plane)
-        server = build_server(config, plane)
-        port_queue.put(await server.start())
+        if engine_process:
+            from controlplane.engine_process import build_process_server
+
+            server, spans = build_process_server(config, remote), []
+        else:
+            plane = RemoteDataPlane(remote, world_size=1) if remote else InstantDataPlane(QWEN3_06B["vocab_size"],
+                                                                                          step_s)
+            spans = time_critical_path(plane)
+            server = build_server(config, plane)
+        port = await server.start()
+        while engine_process and not server.engine.data_plane_ready:  # the engine process attaches the rank
+            await asyncio.sleep(0.05)
+        port_queue.put(port)
         while not stop_event.is_set():
             await asyncio.sleep(0.05)
         await server.stop(grace=1.0)
@@ -193,7 +205,10 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="cProfile the server's two threads")
     p.add_argument("--remote", action="store_true",
                    help="the data plane is a real rank process over ZeroMQ, its model runner emulating the step time")
+    p.add_argument("--engine-process", action="store_true", help="the engine in its own process (needs --remote)")
     args = p.parse_args()
+    if args.engine_process and not args.remote:
+        p.error("--engine-process needs --remote")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from tiny_models import make_tokenizer
 
@@ -204,7 +219,7 @@ def main() -> None:
         port_queue, stop_event = ctx.Queue(), ctx.Event()
         remote = f"ipc://{model_dir}/plane.sock" if args.remote else ""
         procs = [ctx.Process(target=serve, args=(model_dir, args.step_ms / 1000, args.profile, port_queue, stop_event,
-                                                 remote))]
+                                                 remote, args.engine_process))]
         if remote:
             procs.append(ctx.Process(target=timed_rank, args=(remote, args.step_ms / 1000), daemon=True))
         for proc in procs:

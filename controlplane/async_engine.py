@@ -69,7 +69,7 @@ class EngineStatus:
 
 
 @dataclass(eq=False, slots=True)
-class _Stream:
+class Stream:
     """One request as both threads know it; eq=False hashes by identity, so a reused id is a new key."""
 
     request_id: str
@@ -78,14 +78,35 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Output items, or an exception to raise
 
 
-def _output(stream: _Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
+async def read_stream(stream: Stream) -> AsyncIterator[Output]:
+    """A stream's outputs up to the finished one; a consumer that fell behind gets what queued up
+    meanwhile as one output. An exception in the queue is raised after the outputs before it."""
+    pending: Output | BaseException | None = None
+    while True:
+        item = pending if pending is not None else await stream.queue.get()
+        pending = None
+        if isinstance(item, BaseException):
+            raise item
+        while not stream.queue.empty():
+            later = stream.queue.get_nowait()
+            if isinstance(later, BaseException):
+                pending = later  # send what arrived before the error first
+                break
+            item.merge(later)
+        yield item
+        if item.finished:
+            return
+
+
+def _output(stream: Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
     return Output(stream.request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
                   seq.num_completion_tokens, seq.num_cached_prompt_tokens)
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine | None, recover: Callable[[Engine | None], Engine | None] | None = None,
-                 recover_interval_s: float = 1.0):
+                 recover_interval_s: float = 1.0, deliver: Callable[[list], None] | None = None,
+                 on_status: Callable[[EngineStatus], None] | None = None):
         """`recover(engine)` runs on the engine thread while the data plane is down. It returns the
         engine to go on with, attached to a working plane: the same one re-synced, or a new Engine
         over the restarted plane (today's way: a new Engine starts at step 0 of the new epoch with
@@ -94,7 +115,12 @@ class AsyncEngine:
         is dropped, not closed, because it shares its data-plane client with the new one.
 
         `engine` None: no data plane yet; the server answers (health NOT_SERVING) while `recover(None)`
-        attaches the first one."""
+        attaches the first one.
+
+        `deliver(batch)` and `on_status(status)`, both called on the engine thread, take the place of
+        the event loop when the streams live in another process (`engine_process.py`): `deliver`
+        gets each batch of (stream, Output or exception) instead of the streams' queues, `on_status`
+        every changed status snapshot."""
         self.engine = engine
         self._recover = recover
         self._recover_interval_s = recover_interval_s
@@ -105,18 +131,21 @@ class AsyncEngine:
         self._ready = engine is not None
         self._unready_reason = "" if engine is not None else "waiting for a data plane to attach"
         self._listeners: list[Callable[[bool], None]] = []
-        self._streams: dict[str, _Stream] = {}  # event-loop thread only: ids in use
-        self._seq_of: dict[_Stream, EngineSequence] = {}  # engine thread only
-        self._stream_of: dict[int, _Stream] = {}  # engine thread only: seq_id -> stream
+        self._streams: dict[str, Stream] = {}  # event-loop thread only: ids in use
+        self._seq_of: dict[Stream, EngineSequence] = {}  # engine thread only
+        self._stream_of: dict[int, Stream] = {}  # engine thread only: seq_id -> stream
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._deliver, self._on_status = deliver, on_status
         self._status = self._snapshot()
 
     # ---- event-loop side -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the streams."""
-        self._loop = asyncio.get_running_loop()
+        """Start the engine thread; call from the event loop that will consume the streams (with
+        `deliver` given, from any thread)."""
+        if self._deliver is None:
+            self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -135,29 +164,18 @@ class AsyncEngine:
         if self._thread is None:
             raise RuntimeError("AsyncEngine.start() was not called")
         if not self._ready:
-            raise DataPlaneUnavailable(self._unavailable_message())
+            raise DataPlaneUnavailable(self.unavailable_message())
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
         token_ids = list(token_ids)
         self.engine.validate(token_ids, params)  # safe off the engine thread: it reads fixed sizes only
-        stream = _Stream(request_id, token_ids, params)
+        stream = Stream(request_id, token_ids, params)
         self._streams[request_id] = stream
         self._post(("add", stream))
         finished = False
-        pending: Output | BaseException | None = None
         try:
-            while not finished:
-                item = pending if pending is not None else await stream.queue.get()
-                pending = None
-                if isinstance(item, BaseException):
-                    raise item
-                while not stream.queue.empty():
-                    later = stream.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        pending = later  # send what arrived before the error first
-                        break
-                    item.merge(later)
+            async for item in read_stream(stream):
                 finished = item.finished
                 yield item
         finally:
@@ -177,6 +195,15 @@ class AsyncEngine:
     def status(self) -> EngineStatus:
         """Counters as of the engine thread's latest iteration."""
         return self._status
+
+    # ---- streams whose consumer lives in another process (engine_process.py) --------------------
+
+    def add_stream(self, stream: Stream) -> None:
+        """Queue a request already checked by its consumer; its outputs go to `deliver`."""
+        self._post(("add", stream))
+
+    def abort_stream(self, stream: Stream, notify: bool) -> None:
+        self._post(("abort", stream, notify))
 
     # ---- any thread ------------------------------------------------------------------------------
 
@@ -211,7 +238,7 @@ class AsyncEngine:
             self._inbox.append(command)
             self._cond.notify()
 
-    def _unavailable_message(self) -> str:
+    def unavailable_message(self) -> str:
         return f"the data plane is not available ({self._unready_reason or 'not started'}); retry later"
 
     def _recover_wait_s(self) -> float | None:
@@ -223,7 +250,7 @@ class AsyncEngine:
     def _run(self) -> None:
         idle_retry = False
         # For the streams, kept across iterations: a step's tokens wait there until the next step is sent.
-        deliveries: list[tuple[_Stream, Output | BaseException]] = []
+        deliveries: list[tuple[Stream, Output | BaseException]] = []
         while True:
             with self._cond:
                 while not (self._inbox or self._stopping or (self._ready and self.engine.has_work())
@@ -242,7 +269,9 @@ class AsyncEngine:
             idle_retry = False
             if not stopping and self._ready and self.engine.has_work():
                 idle_retry = not self._step(deliveries)
-            self._status = self._snapshot()
+            status, self._status = self._status, self._snapshot()
+            if self._on_status is not None and status != self._status:
+                self._on_status(self._status)
             # A step's tokens wait until the next step has been sent (engine.step's on_queued): waking
             # the event loop makes this thread wait for the GIL, which between a result and the next
             # descriptor leaves the GPU idle. Sent now if no next step is coming.
@@ -285,7 +314,7 @@ class AsyncEngine:
         if kind == "add":
             stream = command[1]
             if not self._ready:
-                deliveries.append((stream, DataPlaneUnavailable(self._unavailable_message())))
+                deliveries.append((stream, DataPlaneUnavailable(self.unavailable_message())))
                 return
             try:
                 seq = self.engine.add_request(stream.token_ids, stream.params)
@@ -327,7 +356,7 @@ class AsyncEngine:
         was_ready = self._ready
         self._ready, self._unready_reason = False, reason
         self._next_recover = time.monotonic() + self._recover_interval_s
-        self._drop_all(self._unavailable_message(), deliveries)
+        self._drop_all(self.unavailable_message(), deliveries)
         if was_ready:
             self._notify(False)
 
@@ -355,11 +384,14 @@ class AsyncEngine:
             return
         batch = deliveries[:]
         deliveries.clear()
+        if self._deliver is not None:
+            self._deliver(batch)
+            return
         # RuntimeError: the event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._dispatch, batch)
 
     @staticmethod
-    def _dispatch(deliveries: list[tuple[_Stream, Output | BaseException]]) -> None:
+    def _dispatch(deliveries: list[tuple[Stream, Output | BaseException]]) -> None:
         for stream, item in deliveries:
             stream.queue.put_nowait(item)

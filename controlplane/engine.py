@@ -46,6 +46,31 @@ class StepOutput:
     rows: list[Sequence] = field(default_factory=list)  # the step's rows
 
 
+def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                     kv_capacity_tokens: int) -> None:
+    """Raise ValueError with a message a person understands if the request cannot run on an engine of
+    these sizes."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if len(token_ids) == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    # The common case in C-speed passes (this runs for every request, on the engine thread too);
+    # the per-id loop only finds the culprit for the message.
+    if not (all(type(t) is int for t in token_ids) and min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in "
+                                 f"[0, {vocab_size})")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "
+                         f"more than max_model_len {max_model_len}")
+    if total > kv_capacity_tokens:
+        raise ValueError(f"prompt plus max_tokens is {total} tokens, more than the KV cache holds "
+                         f"({kv_capacity_tokens} tokens)")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, data_plane: DataPlaneClient, eos_token_ids: tuple[int, ...],
                  overlap: bool | None = None, start_timeout: float | None = None):
@@ -74,25 +99,7 @@ class Engine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a message a person understands; nothing is queued on failure."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if len(token_ids) == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        # The common case in C-speed passes (this runs for every request, on the engine thread too);
-        # the per-id loop only finds the culprit for the message.
-        if not (all(type(t) is int for t in token_ids) and min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
-            for i, t in enumerate(token_ids):
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                    raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in "
-                                     f"[0, {self.vocab_size})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "
-                             f"more than max_model_len {self.max_model_len}")
-        if total > self.kv_capacity_tokens:
-            raise ValueError(f"prompt plus max_tokens is {total} tokens, more than the KV cache holds "
-                             f"({self.kv_capacity_tokens} tokens)")
+        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
 
     def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
         token_ids = list(token_ids)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from controlplane.config import EngineConfig
+from controlplane.engine_process import build_process_server, engine_process_enabled
 from controlplane.remote import RemoteDataPlane
 from controlplane.server import build_server
 
@@ -38,14 +39,20 @@ def set_gil_switch_interval() -> None:
     sys.setswitchinterval(float(os.environ.get("NANOPLANE_GIL_SWITCH_MS", GIL_SWITCH_MS)) / 1000)
 
 
-async def _serve(config: EngineConfig, data_plane: RemoteDataPlane, address: str,
+async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
                  ready: threading.Event | None = None) -> None:
+    """`data_plane`: the socket ranks attach to, or (NANOPLANE_ENGINE_PROCESS) the address that the
+    engine process binds for them."""
     set_gil_switch_interval()
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
-    server = build_server(config, data_plane, address, attach_now=False)
+    if isinstance(data_plane, str):
+        server, plane_address = build_process_server(config, data_plane, address), data_plane
+    else:
+        server, plane_address = build_server(config, data_plane, address, attach_now=False), data_plane.address
     port = await server.start()
-    log.info("gRPC API on %s (port %d), data plane at %s", address, port, data_plane.address)
+    log.info("gRPC API on %s (port %d), data plane at %s%s", address, port, plane_address,
+             " (engine process)" if isinstance(data_plane, str) else "")
     print(f"nanoplane: serving {Path(config.model).name} on {address.rsplit(':', 1)[0]}:{port}", flush=True)
     if ready is not None:
         ready.set()
@@ -65,6 +72,10 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane, address: str
 
 def run_controlplane(config: EngineConfig, bind: str, address: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s controlplane %(levelname)s %(message)s")
+    if engine_process_enabled():
+        log.info("waiting for a data plane to connect to %s (engine process)", bind)
+        asyncio.run(_serve(config, bind, address))
+        return 0
     data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
     log.info("waiting for a data plane to connect to %s", data_plane.address)
     try:
@@ -132,14 +143,17 @@ def run_serve(config: EngineConfig, address: str, bind: str | None = None) -> in
     """Both planes on this host: the control plane here, the data plane in a supervised child."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
     tmp = tempfile.mkdtemp(prefix="nanoplane-")
-    data_plane = RemoteDataPlane(bind or f"ipc://{tmp}/plane.sock", world_size=config.tensor_parallel_size)
-    supervisor = DataPlaneSupervisor(dataplane_argv(config, data_plane.address))
+    bind = bind or f"ipc://{tmp}/plane.sock"
+    # With the engine in its own process, that process binds the data plane's socket.
+    data_plane = None if engine_process_enabled() else RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
+    supervisor = DataPlaneSupervisor(dataplane_argv(config, data_plane.address if data_plane else bind))
     supervisor.start()
     try:
-        asyncio.run(_serve(config, data_plane, address))
+        asyncio.run(_serve(config, data_plane or bind, address))
     finally:
         supervisor.stop()
-        data_plane.close()
+        if data_plane is not None:
+            data_plane.close()
         with contextlib.suppress(OSError):
             for name in os.listdir(tmp):
                 os.unlink(os.path.join(tmp, name))

@@ -56,14 +56,19 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(1, 380) for _ in range(n)] for n in (3, 40, 130)]
 
 
-@pytest.fixture(scope="module")
-def embedded_tokens(tiny_models) -> list[list[int]]:
-    llm = LLM(str(tiny_models["qwen3"]), device="cpu", max_num_batched_tokens=64)
+def embedded_run(model: Path) -> list[list[int]]:
+    """The embedded engine's greedy tokens for prompts(): what every served stream must equal."""
+    llm = LLM(str(model), device="cpu", max_num_batched_tokens=64)
     try:
         outs = llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     finally:
         llm.close()
     return [o["token_ids"] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def embedded_tokens(tiny_models) -> list[list[int]]:
+    return embedded_run(tiny_models["qwen3"])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -79,35 +84,41 @@ def test_streams_equal_the_embedded_engine(tiny_models, embedded_tokens, tp):
         server.close()
 
 
+def kill_mid_stream(server: Server, victim: psutil.Process) -> grpc.RpcError:
+    """Open a long stream and kill `victim` once tokens flow: the stream must end with UNAVAILABLE
+    within seconds and the service say SERVING again. Returns the stream's error."""
+    errors: list[grpc.RpcError] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        try:
+            for _ in server.client.generate(prompts()[2], temperature=0.0, max_tokens=1024 - 130, ignore_eos=True):
+                started.set()
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60), errors
+    killed_at = time.monotonic()
+    victim.kill()
+    t.join(30)
+    assert not t.is_alive() and errors, "the open stream did not end"
+    assert errors[0].code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed_at < 15
+    wait_serving(server.client, server.proc, timeout=120)
+    return errors[0]
+
+
+def greedy(server: Server, prompt: list[int]) -> list[int]:
+    return [t for chunk in server.client.generate(prompt, temperature=0.0, max_tokens=16, ignore_eos=True)
+            for t in chunk.token_ids]
+
+
 def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, embedded_tokens):
     server = Server(tiny_models["qwen3"], 2)
     try:
-        errors: list[grpc.RpcError] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            try:
-                for _ in server.client.generate(prompts()[2], temperature=0.0, max_tokens=1024 - 130, ignore_eos=True):
-                    started.set()
-            except grpc.RpcError as e:
-                errors.append(e)
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert started.wait(60), errors
-        victim = server.ranks()[-1]
-        killed_at = time.monotonic()
-        victim.kill()
-        t.join(30)
-        assert not t.is_alive() and errors, "the open stream did not end"
-        assert errors[0].code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - killed_at < 15
-        # health says so while the data plane is away (it may already be back: then it says SERVING)
-        assert server.client.health() in ("NOT_SERVING", "SERVING")
-        wait_serving(server.client, server.proc, timeout=120)
-        got = [t for chunk in server.client.generate(prompts()[0], temperature=0.0, max_tokens=16, ignore_eos=True)
-               for t in chunk.token_ids]
-        assert got == embedded_tokens[0]
+        kill_mid_stream(server, server.ranks()[-1])
+        assert greedy(server, prompts()[0]) == embedded_tokens[0]
     finally:
         server.close()
 

@@ -1,0 +1,379 @@
+"""The engine loop in a process of its own, so that it never waits for the gRPC event loop's GIL.
+
+In one process the engine thread and the gRPC event loop take turns on one GIL. At 256 streams the
+loop's per-message work stretches the engine's path from a step's result to the next descriptor,
+and on a slower host that path can outgrow the GPU's step (BENCHMARKS.md: the service at 86% of the
+embedded engine in two runs on one kind of machine, 97% in others). With `NANOPLANE_ENGINE_PROCESS=1`
+the scheduler, the block manager and the data plane's ZeroMQ socket run in a child process (an
+`AsyncEngine` whose deliveries go to a socket instead of an event loop); the serving process keeps
+the gRPC server, tokenizer and detokenizer. Two ipc sockets join them, each used by one thread a side:
+
+- commands, front -> engine: add a request, abort one, readiness pushed from outside, stop;
+- events, engine -> front: each step's outputs as one message, status snapshots, readiness with the
+  engine's facts (for request checks and GetModelInfo).
+
+`EngineClient` has AsyncEngine's interface, so the server does not know which one it drives. If the
+engine process dies, every open stream ends with UNAVAILABLE, health goes NOT_SERVING, and a new
+engine process is started; if the serving process dies, the engine process notices and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from controlplane.async_engine import AsyncEngine, EngineStatus, Output, Stream, read_stream
+from controlplane.config import EngineConfig
+from controlplane.engine import Engine, validate_request
+from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
+from controlplane.sampling_params import SamplingParams
+from controlplane.sequence import FinishReason
+from proto.plane import PlaneInfo
+
+log = logging.getLogger(__name__)
+
+# A dead engine process is replaced after this long (a crash loop must not spin).
+RESTART_INTERVAL_S = 1.0
+
+
+def engine_process_enabled() -> bool:
+    return os.environ.get("NANOPLANE_ENGINE_PROCESS", "0") not in ("", "0")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What the serving process knows of the attached engine: enough to check a request before it is
+    sent and to answer GetModelInfo."""
+
+    infos: tuple[PlaneInfo, ...]  # each rank's handshake
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    kv_capacity_tokens: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineFacts:
+        return cls(tuple(engine.infos), engine.max_model_len, engine.vocab_size, engine.block_size,
+                   engine.kv_capacity_tokens)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
+
+
+# ---- the engine process --------------------------------------------------------------------------
+
+
+def _pack(out: Output) -> tuple:
+    # A tuple pickles about ten times faster than the dataclass (256 of them a step).
+    reason = out.finish_reason.value if out.finish_reason is not None else None
+    return (out.token_ids, out.finished, reason, out.num_prompt_tokens, out.num_completion_tokens,
+            out.num_cached_tokens)
+
+
+def _unpack(request_id: str, packed: tuple) -> Output:
+    token_ids, finished, reason, num_prompt, num_completion, num_cached = packed
+    return Output(request_id, token_ids, finished, FinishReason(reason) if reason is not None else None,
+                  num_prompt, num_completion, num_cached)
+
+
+def _engine_main(config: EngineConfig, data_plane_address: str, commands_address: str, events_address: str,
+                 eos_token_ids: tuple[int, ...], recover_interval_s: float, attach_timeout_s: float) -> None:
+    from controlplane.remote import RemoteDataPlane
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
+    # open streams first), so the signal itself is not for us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(commands_address)
+    events = ctx.socket(zmq.PUSH)  # the engine thread's alone once it runs
+    events.setsockopt(zmq.LINGER, 1000)
+    events.connect(events_address)
+    data_plane = RemoteDataPlane(data_plane_address, world_size=config.tensor_parallel_size)
+    streams: dict[int, Stream] = {}  # key -> stream, for aborts
+
+    def attach(old: Engine | None) -> Engine:
+        return Engine(config, data_plane, eos_token_ids, start_timeout=attach_timeout_s)
+
+    def deliver(batch: list) -> None:
+        out = []
+        for stream, item in batch:
+            if isinstance(item, BaseException):
+                streams.pop(stream.request_id, None)
+                out.append((stream.request_id, item))
+                continue
+            if item.finished:
+                streams.pop(stream.request_id, None)
+            out.append((stream.request_id, _pack(item)))
+        events.send_pyobj(("out", out), protocol=pickle.HIGHEST_PROTOCOL)
+
+    core = AsyncEngine(None, attach, recover_interval_s, deliver=deliver,
+                       on_status=lambda status: events.send_pyobj(("status", status)))
+    core.add_ready_listener(lambda ready: events.send_pyobj(
+        ("ready", ready, EngineFacts.of(core.engine) if ready else None, core.unavailable_message())))
+    core.start()
+    try:
+        while True:
+            if not commands.poll(500):
+                if os.getppid() != parent:  # the serving process is gone: nobody to stream to
+                    log.warning("the serving process exited; stopping the engine")
+                    break
+                continue
+            msg = commands.recv_pyobj()
+            if msg[0] == "add":
+                _, key, token_ids, params = msg
+                stream = Stream(key, token_ids, params, queue=None)
+                streams[key] = stream
+                core.add_stream(stream)
+            elif msg[0] == "abort":
+                stream = streams.pop(msg[1], None)
+                if stream is not None:
+                    core.abort_stream(stream, msg[2])
+            elif msg[0] == "ready":
+                core.set_data_plane_ready(msg[1], msg[2])
+            elif msg[0] == "stop":
+                break
+    finally:
+        core.shutdown()  # open streams end with UNAVAILABLE; their outputs still go out
+        data_plane.close()
+        events.close()
+        commands.close(linger=0)
+        ctx.term()
+
+
+# ---- the serving process -------------------------------------------------------------------------
+
+
+class EngineClient:
+    """AsyncEngine's interface over an engine process (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, data_plane_address: str, eos_token_ids: tuple[int, ...],
+                 recover_interval_s: float = 1.0, attach_timeout_s: float = 2.0):
+        self._args = (config, data_plane_address, eos_token_ids, recover_interval_s, attach_timeout_s)
+        self._dir = tempfile.mkdtemp(prefix="nanoplane-engine-")
+        self._ctx = zmq.Context()
+        self._commands = self._ctx.socket(zmq.PUSH)
+        self._commands.setsockopt(zmq.SNDHWM, 0)  # a burst of requests must not look like a dead engine
+        self._commands.bind(f"ipc://{self._dir}/commands.sock")
+        self._events = self._ctx.socket(zmq.PULL)
+        self._events.bind(f"ipc://{self._dir}/events.sock")
+        self._send_lock = threading.Lock()  # commands go out from the event loop and other threads
+        self._keys = itertools.count()
+        self._streams: dict[str, Stream] = {}  # event loop only: request ids in use
+        self._by_key: dict[int, Stream] = {}  # event loop only
+        self._key_of: dict[Stream, int] = {}  # event loop only
+        self._facts: EngineFacts | None = None
+        self._ready = False
+        self._unready_reason = "waiting for a data plane to attach"
+        self._status = EngineStatus(0, 0, 0, 0, False)
+        self._listeners: list[Callable[[bool], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._process: mp.process.BaseProcess | None = None
+        self._reader: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # ---- AsyncEngine's interface -----------------------------------------------------------------
+
+    @property
+    def engine(self) -> EngineFacts | None:
+        """The attached engine's facts; None before a data plane has attached."""
+        return self._facts
+
+    @property
+    def data_plane_ready(self) -> bool:
+        return self._ready
+
+    def start(self) -> None:
+        """Start the engine process and the thread that reads its events; call from the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._spawn()
+        self._reader = threading.Thread(target=self._read_events, name="engine-events", daemon=True)
+        self._reader.start()
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Output]:
+        """As AsyncEngine.generate."""
+        if self._reader is None:
+            raise RuntimeError("EngineClient.start() was not called")
+        facts = self._facts
+        if not self._ready or facts is None:
+            raise DataPlaneUnavailable(self.unavailable_message())
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
+        token_ids = list(token_ids)
+        facts.validate(token_ids, params)
+        stream, key = Stream(request_id, token_ids, params), next(self._keys)
+        self._streams[request_id], self._by_key[key], self._key_of[stream] = stream, stream, key
+        self._send(("add", key, token_ids, params))
+        finished = False
+        try:
+            async for item in read_stream(stream):
+                finished = item.finished
+                yield item
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            self._by_key.pop(key, None)
+            self._key_of.pop(stream, None)
+            if not finished:
+                with contextlib.suppress(DataPlaneUnavailable):  # no engine: nothing left to abort
+                    self._send(("abort", key, False))
+
+    def abort(self, request_id: str) -> bool:
+        """End a running request from the server side; its stream gets a final ABORT output."""
+        stream = self._streams.get(request_id)
+        key = self._key_of.get(stream) if stream is not None else None
+        if key is None:
+            return False
+        self._send(("abort", key, True))
+        return True
+
+    def status(self) -> EngineStatus:
+        """Counters as of the engine process's latest report."""
+        return self._status
+
+    def set_data_plane_ready(self, ready: bool, reason: str = "",
+                             on_engine_thread: Callable[[Engine], None] | None = None) -> None:
+        if on_engine_thread is not None:
+            raise NotImplementedError("on_engine_thread cannot cross into the engine process")
+        self._send(("ready", ready, reason))
+
+    def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
+        """callback(ready) runs on the event-reading thread whenever readiness changes."""
+        self._listeners.append(callback)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (its open streams end with UNAVAILABLE) and release the sockets."""
+        self._stopping.set()
+        process = self._process
+        if process is not None and process.is_alive():
+            with contextlib.suppress(zmq.ZMQError, DataPlaneUnavailable):
+                self._send(("stop",))
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        # Whatever the engine process did not end (it was killed, or never started) ends here.
+        self._call(self._fail_all, DataPlaneUnavailable("the server is shutting down"))
+        self._commands.close(linger=0)
+        self._events.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def unavailable_message(self) -> str:
+        return f"the data plane is not available ({self._unready_reason or 'not started'}); retry later"
+
+    def _spawn(self) -> None:
+        config, address, eos, interval, timeout = self._args
+        process = mp.get_context("spawn").Process(
+            target=_engine_main, name="nanoplane-engine", daemon=True,
+            args=(config, address, f"ipc://{self._dir}/commands.sock", f"ipc://{self._dir}/events.sock",
+                  eos, interval, timeout))
+        process.start()
+        self._process = process
+
+    def _send(self, command: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._commands.send_pyobj(command, zmq.NOBLOCK)
+            except zmq.Again:  # no engine process connected (it died, and the next is starting)
+                raise DataPlaneUnavailable(self.unavailable_message()) from None
+
+    def _read_events(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._events, zmq.POLLIN)
+        while True:
+            process = self._process
+            poller.register(process.sentinel, zmq.POLLIN)
+            ready = dict(poller.poll(200))
+            poller.unregister(process.sentinel)
+            if self._events in ready:
+                self._on_event(self._events.recv_pyobj())
+            elif process.sentinel in ready and not self._stopping.is_set():
+                self._replace(process)
+            elif self._stopping.is_set() and not process.is_alive() and not self._events.poll(0):
+                return  # the engine process is gone and everything it sent is read
+
+    def _on_event(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "out":
+            self._call(self._dispatch, event[1])
+        elif kind == "status":
+            self._status = event[1]
+        elif kind == "ready":
+            _, ready, facts, reason = event
+            self._facts = facts if ready else self._facts  # GetModelInfo keeps answering, as in-process
+            self._set_ready(ready, "" if ready else reason)
+
+    def _replace(self, process: mp.process.BaseProcess) -> None:
+        """The engine process died: fail what it held, then start another (its data plane re-attaches)."""
+        reason = f"the engine process exited with code {process.exitcode}"
+        log.error("%s; starting a new one", reason)
+        self._status = EngineStatus(0, 0, 0, 0, False)
+        self._set_ready(False, reason)
+        self._call(self._fail_all, DataPlaneUnavailable(self.unavailable_message()))
+        if not self._stopping.wait(RESTART_INTERVAL_S):
+            self._spawn()
+
+    def _set_ready(self, ready: bool, reason: str) -> None:
+        changed = ready != self._ready
+        self._ready, self._unready_reason = ready, reason
+        if changed:
+            for callback in self._listeners:
+                try:
+                    callback(ready)
+                except Exception:
+                    log.exception("data plane readiness listener failed")
+
+    def _call(self, fn: Callable, arg) -> None:
+        if self._loop is None:  # never started: no streams
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(fn, arg)
+
+    def _dispatch(self, batch: list[tuple[int, tuple | BaseException]]) -> None:
+        for key, item in batch:
+            stream = self._by_key.get(key)
+            if stream is None:
+                continue  # the consumer is gone already
+            stream.queue.put_nowait(item if isinstance(item, BaseException) else _unpack(stream.request_id, item))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._by_key.values():
+            stream.queue.put_nowait(error)
+        self._by_key.clear()
+
+
+def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
+                         model_name: str | None = None, recover_interval_s: float = 1.0,
+                         attach_timeout_s: float = 2.0):
+    """server.build_server with the engine in its own process: the data plane attaches to the engine
+    process at `data_plane_address` (which that process binds)."""
+    from controlplane.server import GenerationServer
+    from controlplane.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(config.model)
+    client = EngineClient(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s)
+    return GenerationServer(client, tokenizer, model_name or Path(config.model).name, address)

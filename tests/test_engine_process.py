@@ -1,0 +1,80 @@
+"""`nanoplane serve` with the engine in its own process (NANOPLANE_ENGINE_PROCESS=1): the same tokens as
+the embedded engine, bad input refused in the serving process, a killed rank or a killed engine
+process ends the open streams with UNAVAILABLE and the service comes back.
+"""
+
+from __future__ import annotations
+
+import grpc
+import psutil
+import pytest
+
+from tests.test_service import Server, embedded_run, greedy, kill_mid_stream, prompts
+
+
+@pytest.fixture(scope="module")
+def embedded_tokens(tiny_models) -> list[list[int]]:
+    return embedded_run(tiny_models["qwen3"])
+
+
+@pytest.fixture
+def engine_process(monkeypatch):
+    monkeypatch.setenv("NANOPLANE_ENGINE_PROCESS", "1")  # the serve process and its children inherit it
+
+
+def engine_processes(server: Server) -> list[psutil.Process]:
+    # multiprocessing's spawn start: `python -c "from multiprocessing.spawn import spawn_main; ..."`
+    return [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+
+
+def test_streams_equal_the_embedded_engine_and_bad_input_is_refused(tiny_models, embedded_tokens, engine_process):
+    server = Server(tiny_models["qwen3"], 1)
+    try:
+        assert len(engine_processes(server)) == 1
+        info = server.client.model_info()
+        assert info.tensor_parallel_size == 1 and info.vocab_size > 0
+        assert [greedy(server, p) for p in prompts()] == embedded_tokens
+        status = server.client.server_status()
+        assert status.data_plane_ready and status.kv_blocks_used == 0 and status.kv_blocks_total > 0
+        for prompt, max_tokens, words in (([info.vocab_size], 4, "token ids must be integers"),
+                                          ([1, 2, 3], 10**6, "max_model_len"), ([], 4, "empty")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(server.client.generate(prompt, max_tokens=max_tokens))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+    finally:
+        server.close()
+
+
+def test_killed_engine_process_gives_unavailable_then_the_service_recovers(tiny_models, embedded_tokens,
+                                                                           engine_process):
+    server = Server(tiny_models["qwen3"], 1)
+    try:
+        [victim] = engine_processes(server)
+        assert "engine process" in kill_mid_stream(server, victim).details()
+        [replacement] = engine_processes(server)
+        assert replacement.pid != victim.pid
+        assert greedy(server, prompts()[0]) == embedded_tokens[0]
+    finally:
+        server.close()
+
+
+def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, embedded_tokens, engine_process):
+    server = Server(tiny_models["qwen3"], 1)
+    try:
+        kill_mid_stream(server, server.ranks()[-1])
+        assert greedy(server, prompts()[0]) == embedded_tokens[0]
+    finally:
+        server.close()
+
+
+def test_a_client_never_started_shuts_down_cleanly(tiny_models):
+    from pathlib import Path
+
+    from controlplane.config import EngineConfig
+    from controlplane.engine_process import EngineClient
+
+    client = EngineClient(EngineConfig(str(tiny_models["qwen3"]), device="cpu"), "ipc:///nonexistent/plane.sock", ())
+    sockets = Path(client._dir)
+    assert sockets.is_dir() and not client.data_plane_ready and client.engine is None
+    client.shutdown()
+    assert not sockets.exists()
