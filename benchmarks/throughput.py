@@ -345,6 +345,20 @@ async def one_stream(address: str, prompt_len: int = 512, max_tokens: int = 129)
     return stamps[0][0] - start, sorted(gaps)[len(gaps) // 2] if gaps else float("nan")
 
 
+def role(proc, serve_pid: int) -> str:
+    """What a process of `nanoplane serve`'s tree is, for the CPU-load line."""
+    cmd = " ".join(proc.cmdline())
+    if proc.pid == serve_pid:
+        return "serve"
+    if "dataplane.launcher" in cmd:
+        return "launcher"
+    if "resource_tracker" in cmd:
+        return "resource tracker"
+    if proc.ppid() == serve_pid and "spawn_main" in cmd:
+        return "engine process"
+    return "rank" if "spawn_main" in cmd else cmd[-32:]
+
+
 def run_service(path: Path, args: argparse.Namespace) -> None:
     """The same workload through `nanoplane serve`: one client process drives all 256 streams."""
     import psutil
@@ -373,7 +387,7 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
         print(f"| service {args.shape} TP={args.tensor_parallel_size} | {total} | {elapsed:.2f} | "
               f"{total / elapsed:,.0f} | {floor_cells(args.shape, args.tensor_parallel_size, total / elapsed)} | "
               f"{messages / elapsed:,.0f} ({total / messages:.2f}) | {', '.join(f'{v:.1f}' for v in rss.values())} |")
-        names = ["client"] + [f"pid {p.pid} ({' '.join(p.cmdline())[-32:]})" for p in procs]
+        names = ["client"] + [f"{role(p, server.pid)} (pid {p.pid})" for p in procs]
         busy = [(a - b) / elapsed for a, b in zip(cpu_after, cpu_before, strict=True)]
         print("CPU seconds a second during the run (1.0 = one core busy throughout): "
               + ", ".join(f"{name}: {b:.2f}" for name, b in zip(names, busy, strict=True)), flush=True)
