@@ -139,6 +139,7 @@ def _engine_main(config: EngineConfig, data_plane_address: str, commands_address
             msg = commands.recv_pyobj()
             if msg[0] == "add":
                 _, key, token_ids, params = msg
+                # Here the stream's id is the serving process's key for it, and outputs go to `deliver`.
                 stream = Stream(key, token_ids, params, queue=None)
                 streams[key] = stream
                 core.add_stream(stream)
@@ -176,6 +177,7 @@ class EngineClient:
         self._events.bind(f"ipc://{self._dir}/events.sock")
         self._send_lock = threading.Lock()  # commands go out from the event loop and other threads
         self._keys = itertools.count()
+        self._newest_key = -1  # the latest key handed out (read by the event-reading thread)
         self._streams: dict[str, Stream] = {}  # event loop only: request ids in use
         self._by_key: dict[int, Stream] = {}  # event loop only
         self._key_of: dict[Stream, int] = {}  # event loop only
@@ -221,6 +223,7 @@ class EngineClient:
         token_ids = list(token_ids)
         facts.validate(token_ids, params)
         stream, key = Stream(request_id, token_ids, params), next(self._keys)
+        self._newest_key = key
         self._streams[request_id], self._by_key[key], self._key_of[stream] = stream, stream, key
         self._send(("add", key, token_ids, params))
         finished = False
@@ -265,7 +268,7 @@ class EngineClient:
         self._stopping.set()
         process = self._process
         if process is not None and process.is_alive():
-            with contextlib.suppress(zmq.ZMQError, DataPlaneUnavailable):
+            with contextlib.suppress(DataPlaneUnavailable):
                 self._send(("stop",))
             process.join(timeout)
             if process.is_alive():
@@ -274,7 +277,7 @@ class EngineClient:
         if self._reader is not None:
             self._reader.join(timeout)
         # Whatever the engine process did not end (it was killed, or never started) ends here.
-        self._call(self._fail_all, DataPlaneUnavailable("the server is shutting down"))
+        self._call(self._fail_all, (DataPlaneUnavailable("the server is shutting down"), None))
         self._commands.close(linger=0)
         self._events.close(linger=0)
         self._ctx.term()
@@ -300,6 +303,8 @@ class EngineClient:
                 self._commands.send_pyobj(command, zmq.NOBLOCK)
             except zmq.Again:  # no engine process connected (it died, and the next is starting)
                 raise DataPlaneUnavailable(self.unavailable_message()) from None
+            except zmq.ZMQError:  # closed by shutdown: a stream ending late has nobody to tell
+                raise DataPlaneUnavailable("the server is shutting down") from None
 
     def _read_events(self) -> None:
         poller = zmq.Poller()
@@ -333,7 +338,8 @@ class EngineClient:
         log.error("%s; starting a new one", reason)
         self._status = EngineStatus(0, 0, 0, 0, False)
         self._set_ready(False, reason)
-        self._call(self._fail_all, DataPlaneUnavailable(self.unavailable_message()))
+        # Requests from now on are refused; those up to the newest key were the dead process's.
+        self._call(self._fail_all, (DataPlaneUnavailable(self.unavailable_message()), self._newest_key + 1))
         if not self._stopping.wait(RESTART_INTERVAL_S):
             self._spawn()
 
@@ -360,10 +366,11 @@ class EngineClient:
                 continue  # the consumer is gone already
             stream.queue.put_nowait(item if isinstance(item, BaseException) else _unpack(stream.request_id, item))
 
-    def _fail_all(self, error: BaseException) -> None:
-        for stream in self._by_key.values():
-            stream.queue.put_nowait(error)
-        self._by_key.clear()
+    def _fail_all(self, error_and_limit: tuple[BaseException, int | None]) -> None:
+        """End the streams with keys below the limit (None: all of them) with the error."""
+        error, limit = error_and_limit
+        for key in [k for k in self._by_key if limit is None or k < limit]:
+            self._by_key.pop(key).queue.put_nowait(error)
 
 
 def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
