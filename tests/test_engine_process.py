@@ -5,10 +5,13 @@ process ends the open streams with UNAVAILABLE and the service comes back.
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import psutil
 import pytest
 
+from controlplane.cli import stop_process
 from tests.test_service import Server, embedded_run, greedy, kill_mid_stream, prompts
 
 
@@ -63,6 +66,40 @@ def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, em
     try:
         kill_mid_stream(server, server.ranks()[-1])
         assert greedy(server, prompts()[0]) == embedded_tokens[0]
+    finally:
+        server.close()
+
+
+def test_stopping_the_service_ends_open_streams_and_the_engine_process(tiny_models, engine_process):
+    server = Server(tiny_models["qwen3"], 1)
+    [engine] = engine_processes(server)
+    errors: list[grpc.RpcError] = []
+    tokens: list[int] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        try:
+            for chunk in server.client.generate(prompts()[2], temperature=0.0, max_tokens=1024 - 130,
+                                                ignore_eos=True):
+                tokens.extend(chunk.token_ids)
+                started.set()
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert started.wait(60), errors
+        stop_process(server.proc)  # SIGTERM: the service stops in order
+        t.join(30)
+        assert not t.is_alive(), "the open stream hung"
+        # Running calls get a grace period: the stream either finished whole or was told why it ended.
+        if errors:
+            assert errors[0].code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        else:
+            assert len(tokens) == 1024 - 130
+        engine.wait(10)  # raises psutil.TimeoutExpired if the engine process outlived the service
+        assert server.proc.returncode == 0
     finally:
         server.close()
 
