@@ -23,14 +23,15 @@ from kernels.pdl import pdl_args, pdl_prologue
 # a third pipeline stage took batch 256 x context 1024 from 265 to 249 us and batch 64 from 76 to
 # 66 us; the KV-head-fastest grid took batch 256 on to 244 us (4.40 TB/s, above what torch.sum reads).
 TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
-# A given `seq_order` (longest context first) is followed only from this many programs per SM: with
-# many waves it keeps a long row from running alone at the end of the launch (H200, the throughput
-# bench's context mix: 2-5% faster from ~6 waves up), with few waves it crowds the long rows onto the
-# same SMs (3.6 waves: 8% slower). NANOPLANE_DECODE_ORDER_WAVES moves the threshold (0: always).
+# A given `seq_order` (longest context first) is followed only from this many waves of programs over
+# the SMs: with many it keeps a long row from running alone at the end of the launch (H200, the
+# throughput bench's context mix, `benchmarks/kernels.py --only decode_mixed`: 2-10% faster at 4.7 to
+# 15.5 waves), with few it crowds the long rows together (3.6 and 3.9 waves: 9-10% slower).
+# NANOPLANE_DECODE_ORDER_WAVES moves the threshold (0: always).
 ORDER_MIN_WAVES = float(os.environ.get("NANOPLANE_DECODE_ORDER_WAVES", "4"))
 # Between two and this many waves of one-split programs, two splits: halving every row's work halves
 # the uneven end of the launch, which with few waves outweighs the second kernel (H200, the bench's
-# context mix, longest first: 59-101 rows 2-12% faster, 126 rows and up 1 split stays faster).
+# context mix: 59-101 rows 1-8% faster than one split; from 126 rows one split stays faster).
 # NANOPLANE_DECODE_TWO_SPLIT_WAVES moves the bound (0: off).
 TWO_SPLIT_WAVES = float(os.environ.get("NANOPLANE_DECODE_TWO_SPLIT_WAVES", "7"))
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
