@@ -35,14 +35,20 @@ class BatchState:
         self.seeds = np.full(num_slots, -1, dtype=np.int64)  # a request's sampling seed, -1 for none
         self.generators: list[torch.Generator | None] = [None] * num_slots
 
-    def apply(self, desc: StepDescriptor, make_generator) -> None:
-        """Bring the slots up to date with a descriptor; raise StepRefused if it does not fit."""
+    def apply(self, desc: StepDescriptor, make_generator, upload=None) -> None:
+        """Bring the slots up to date with a descriptor; raise StepRefused if it does not fit.
+        `upload(*arrays)` (dataplane.uploader) carries the admitted prompts to the device."""
         for slot in desc.free_slots.tolist():
             self._check_slot(slot)
             self.num_computed[slot] = -1
             self.generators[slot] = None
-        for req in desc.new_requests:
-            self._admit(req, make_generator)
+        admitted: list[tuple[int, np.ndarray]] = []
+        try:
+            for req in desc.new_requests:
+                self._admit(req, make_generator)
+                admitted.append((req.slot, req.token_ids))
+        finally:
+            self._store_prompts(admitted, upload)
         slots, computed, scheduled = desc.slots, desc.num_computed, desc.num_scheduled
         if not (len(computed) == len(scheduled) == len(slots) == len(desc.appended_offsets) - 1):
             raise StepRefused("descriptor columns have different lengths")
@@ -68,6 +74,22 @@ class BatchState:
         if (needed > self.num_blocks[slots]).any():
             raise StepRefused("descriptor computes tokens beyond a request's block table")
 
+    def _store_prompts(self, admitted: list[tuple[int, np.ndarray]], upload) -> None:
+        """Write the admitted prompts into the token buffer: one upload for all of them. A plain
+        `.to(device)` a prompt would wait for the step running on the GPU (a blocking copy syncs
+        the stream), and the host could not prepare this step meanwhile."""
+        if not admitted:
+            return
+        rows = np.repeat(np.array([slot for slot, _ in admitted], dtype=np.int64),
+                         [len(ids) for _, ids in admitted])
+        cols = np.concatenate([np.arange(len(ids), dtype=np.int64) for _, ids in admitted])
+        values = np.concatenate([ids for _, ids in admitted]).astype(np.int64)
+        if upload is None:
+            rows_t, cols_t, values_t = (torch.from_numpy(a).to(self.token_buf.device) for a in (rows, cols, values))
+        else:
+            rows_t, cols_t, values_t = upload(rows, cols, values)
+        self.token_buf[rows_t, cols_t] = values_t
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise StepRefused(f"slot {slot} is outside the batch of {self.num_slots}")
@@ -79,7 +101,6 @@ class BatchState:
             raise StepRefused(f"slot {slot} is still in use by another request")
         if not 0 < n <= self.max_model_len or nb > self.max_blocks:
             raise StepRefused(f"request {req.request_id} does not fit max_model_len {self.max_model_len}")
-        self.token_buf[slot, :n] = torch.from_numpy(req.token_ids.astype(np.int64)).to(self.token_buf.device)
         self.num_known[slot] = n
         self.block_tables[slot, :nb] = req.block_ids
         self.num_blocks[slot] = nb

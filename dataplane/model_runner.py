@@ -186,7 +186,7 @@ class ModelRunner:
         try:
             if desc.step_id != self.next_step_id:
                 raise StepRefused(f"expected step {self.next_step_id}, got step {desc.step_id}")
-            self.state.apply(desc, self.sampler.generator)
+            self.state.apply(desc, self.sampler.generator, self.upload)
         except StepRefused as e:
             return Launched(desc.step_id, start, error=f"rank {self.rank} refused: {e}")
         self.next_step_id += 1

@@ -11,9 +11,10 @@ import torch
 
 class Uploader:
     # Staging buffers in turn: a buffer is reused only after the copies of RING uploads ago left it.
-    # A step uploads twice and one step may be in flight, so the oldest copy waited on is two steps
-    # back and long done: the host never waits for the GPU's current work here.
-    RING = 4
+    # A step uploads up to three times (admitted prompts, inputs, sampling parameters) and one step
+    # may be in flight, so the oldest copy waited on is at least two steps back and long done: the
+    # host never waits for the GPU's current work here.
+    RING = 6
 
     def __init__(self, device: torch.device):
         self.device = device
