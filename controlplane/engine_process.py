@@ -35,6 +35,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -45,6 +46,9 @@ from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
 from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
 from proto.plane import PlaneInfo
+
+if TYPE_CHECKING:  # server.py imports the engine side; at run time it is imported where needed
+    from controlplane.server import GenerationServer
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +380,7 @@ class EngineClient:
 
 def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
                          model_name: str | None = None, recover_interval_s: float = 1.0,
-                         attach_timeout_s: float = 2.0):
+                         attach_timeout_s: float = 2.0) -> GenerationServer:
     """server.build_server with the engine in its own process: the data plane attaches to the engine
     process at `data_plane_address` (which that process binds)."""
     from controlplane.server import GenerationServer
