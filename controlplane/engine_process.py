@@ -47,7 +47,7 @@ from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
 from proto.plane import PlaneInfo
 
-if TYPE_CHECKING:  # server.py imports the engine side; at run time it is imported where needed
+if TYPE_CHECKING:  # the engine process imports this module and needs neither gRPC nor the server
     from controlplane.server import GenerationServer
 
 log = logging.getLogger(__name__)
