@@ -47,7 +47,7 @@ from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
 from proto.plane import PlaneInfo
 
-if TYPE_CHECKING:  # the engine process imports this module and needs neither gRPC nor the server
+if TYPE_CHECKING:  # the engine process imports this module and needs no gRPC server
     from controlplane.server import GenerationServer
 
 log = logging.getLogger(__name__)
