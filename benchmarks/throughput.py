@@ -68,8 +68,9 @@ def make_random_model(path: Path, shape: str = "0.6b") -> None:
     save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     # The file's dirty pages (16 GB at 8B) are written back to disk over the next seconds; a run that
-    # starts right away shares the host with that. Suspected (not shown) cause of the first TP=2 run of
-    # a call being ~1 s slower in its small-batch steps (BENCHMARKS.md): write them back before timing.
+    # starts right away would share the host with that, so they are written back before timing. (It
+    # was the suspect for the first TP=2 run of a call being slower in its small-batch steps; that run
+    # was slow again with the flush in place, so it is not the cause: BENCHMARKS.md.)
     t = time.perf_counter()
     os.sync()
     print(f"wrote {path / 'model.safetensors'} and flushed it to disk ({time.perf_counter() - t:.1f} s)", flush=True)
