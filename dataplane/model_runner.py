@@ -240,7 +240,8 @@ class ModelRunner:
         (positions_t, slot_of_token_t, slot_mapping_t, last_rows_t, grew_t, grew_slots_t, grew_pos_t, cu_t,
          context_lens_t, tables_t, order_t) = self.upload(
             positions, slot_of_token, slot_mapping, (cu[1:] - 1).astype(np.int64), grew.astype(np.int64),
-            slots[grew], context_lens[grew].astype(np.int64), cu, context_lens, tables, longest_first(context_lens))
+            slots[grew], context_lens[grew].astype(np.int64), cu, context_lens, tables,
+            longest_first(context_lens) if is_decode else np.zeros(0, dtype=np.int32))
         input_ids = st.token_buf[slot_of_token_t, positions_t]
         set_context(AttentionContext(is_decode=is_decode, slot_mapping=slot_mapping_t, cu_seqlens_q=cu_t,
                                      max_seqlen_q=int(scheduled.max()), context_lens=context_lens_t,
