@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
 
     python benchmarks/kernels.py [--only read,decode,decode_mixed,decode_sweep,prefill,rms_norm,rotary,store,
-                                         sample,skinny,skinny_sweep]
+                                         sample,skinny,skinny_sweep,mid_sweep]
                                  [--dtype bf16]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
@@ -347,11 +347,51 @@ def bench_skinny_sweep(dtype: torch.dtype) -> None:
                 print(f"{label:<84} {t:7.2f} us  {floor / t:6.1%} of floor", flush=True)
 
 
+# Tiles for the tensor-core path at 65-256 rows, where cuBLAS runs now: (block_m, block_n, block_k, stages, warps).
+MID_ROWS = (96, 128, 192, 256)
+MID_SWEEP = [(64, 32, 64, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 128, 3, 4), (64, 32, 128, 4, 4),
+             (128, 32, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 64, 4, 8), (128, 128, 64, 3, 8),
+             (128, 128, 64, 4, 8), (128, 64, 128, 3, 8), (128, 32, 128, 3, 4)]
+
+
+def bench_mid_sweep(dtype: torch.dtype) -> None:
+    """kernels.skinny_gemm's tensor-core path with larger tiles against cuBLAS at 96-256 rows: does any
+    tiling beat cuBLAS there (graph replay, weights rotated past the L2)?"""
+    esize = torch.finfo(dtype).bits // 8
+    best_sum = {m: 0.0 for m in MID_ROWS}
+    cublas_sum = {m: 0.0 for m in MID_ROWS}
+    for name, (k, n) in SKINNY_SHAPES.items():
+        weights = rotating_weights(k, n, dtype)
+        for m in MID_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            expected = ref.skinny_gemm_ref(x, weights[0])
+            floor = max(n * k * esize / BANDWIDTH, 2 * m * n * k / MATMUL_FLOPS) * 1e6
+            cublas = triton.testing.do_bench_cudagraph(rotating(torch.nn.functional.linear, x, weights), rep=30) * 1e3
+            best = (float("inf"), None)
+            for bm, bn, bk, stages, warps in MID_SWEEP:
+                tiles = dict(use_dot=True, block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps)
+                try:
+                    got = skinny_gemm(x, weights[0], **tiles)
+                    err = ((got.float() - expected).norm() / expected.norm()).item()
+                    assert err < 2e-2, f"relative error {err:.2e}"
+                    t = triton.testing.do_bench_cudagraph(rotating(skinny_gemm, x, weights, **tiles), rep=30) * 1e3
+                except Exception as e:  # a tile that does not compile (shared memory) must not end the sweep
+                    print(f"{name} M={m} {bm}x{bn}x{bk} s{stages} w{warps} failed: {type(e).__name__}", flush=True)
+                    continue
+                best = min(best, (t, (bm, bn, bk, stages, warps)))
+            print(f"{name:<13} M={m:<3} cuBLAS {cublas:6.2f} us  best tile {best[1]} {best[0]:6.2f} us  "
+                  f"floor {floor:5.2f} us", flush=True)
+            best_sum[m] += best[0]
+            cublas_sum[m] += cublas
+    for m in MID_ROWS:
+        print(f"== M={m}: the four layers, cuBLAS {cublas_sum[m]:.1f} us, best tiles {best_sum[m]:.1f} us", flush=True)
+
+
 BENCHES = {"read": bench_read, "decode": bench_decode, "decode_mixed": bench_decode_mixed,
            "decode_sweep": bench_decode_sweep,
            "prefill": bench_prefill, "rms_norm": bench_rms_norm,
            "rotary": bench_rotary, "store": bench_store, "sample": bench_sample, "skinny": bench_skinny,
-           "skinny_sweep": bench_skinny_sweep}
+           "skinny_sweep": bench_skinny_sweep, "mid_sweep": bench_mid_sweep}
 
 
 def main() -> None:

@@ -120,7 +120,8 @@ def _pow2_floor(n: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _config(m: int, n: int, k: int, esize: int, num_sms: int, use_dot: bool | None, block_n: int | None,
-            block_k: int | None, num_stages: int | None) -> tuple[bool, int, int, int, int]:
+            block_k: int | None, num_stages: int | None,
+            block_m: int | None = None) -> tuple[bool, int, int, int, int]:
     """(use_dot, BLOCK_M, BLOCK_N, BLOCK_K, num_stages); None arguments take the defaults below."""
     if use_dot is None:
         use_dot = m > _FMA_MAX_M
@@ -128,7 +129,7 @@ def _config(m: int, n: int, k: int, esize: int, num_sms: int, use_dot: bool | No
         # tl.dot's minimum tile is 16 on every side; 32/64 rows of the weight when N is large enough
         # to keep one program per SM anyway (fewer, longer programs: less x re-read, longer streams).
         # Up to _DOT_MAX_BLOCK_M rows share one pass over the weight; more rows read it again per tile.
-        block_m = min(_DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+        block_m = block_m or min(_DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
         min_n, max_n, target = 16, 64, num_sms
     else:
         # The x tile is re-read by every program (from L2): BLOCK_N >= BLOCK_M keeps that traffic
@@ -163,6 +164,7 @@ def skinny_gemm(
     block_k: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias[N]) -> y [M, N] in x's dtype, accumulated in fp32.
 
@@ -186,7 +188,7 @@ def skinny_gemm(
     if m == 0 or n == 0:
         return y
     use_dot, block_m, block_n, block_k, num_stages = _config(
-        m, n, k, x.element_size(), _num_sms(x.device), use_dot, block_n, block_k, num_stages)
+        m, n, k, x.element_size(), _num_sms(x.device), use_dot, block_n, block_k, num_stages, block_m)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y,  # placeholder bias: HAS_BIAS=False drops it
