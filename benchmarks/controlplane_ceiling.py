@@ -11,7 +11,7 @@ told to take `--step-ms` per step, as a GPU would.
 
 `--remote` puts the real ZeroMQ path in between: the control plane binds as `nanoplane serve` does and
 a rank process (dataplane/worker.py's loop) answers, its model runner only emulating the step time.
-`--engine-process` runs the engine in its own process as NANOPLANE_ENGINE_PROCESS=1 does (the control
+`--engine-process` runs the engine in its own process as `nanoplane serve` does by default (the control
 plane's critical path is then timed by the rank: NANOPLANE_RANK_PACE=N).
 """
 

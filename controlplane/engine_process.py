@@ -2,12 +2,13 @@
 
 In one process the engine thread and the gRPC event loop take turns on one GIL. At 256 streams the
 loop's per-message work stretches the engine's path from a step's result to the next descriptor,
-and on a slower host that path can outgrow the GPU's step (BENCHMARKS.md: the service at 86% of the
-embedded engine in two runs where that turnaround was slow, 96-98% in others). With `NANOPLANE_ENGINE_PROCESS=1`
-the scheduler, the block manager and the data plane's ZeroMQ socket run in a child process (an
-`AsyncEngine` whose deliveries go to a socket instead of an event loop); the serving process keeps
-the gRPC server, tokenizer and detokenizer. Two ipc sockets join them (ZeroMQ sockets are not
-thread-safe: each has one user thread a side, except the serving side's commands, sent under a lock):
+and on a slower host that path can outgrow the GPU's step (BENCHMARKS.md: the service at 80-86% of
+the embedded engine in three runs where that turnaround was slow, 96-98% in others). So by default
+(`NANOPLANE_ENGINE_PROCESS=0` turns it off) the scheduler, the block manager and the data plane's
+ZeroMQ socket run in a child process (an `AsyncEngine` whose deliveries go to a socket instead of an
+event loop); the serving process keeps the gRPC server, tokenizer and detokenizer. Two ipc sockets
+join them (ZeroMQ sockets are not thread-safe: each has one user thread a side, except the serving
+side's commands, sent under a lock):
 
 - commands, front -> engine: add a request, abort one, readiness pushed from outside, stop;
 - events, engine -> front: each step's outputs as one message, status snapshots, readiness with the
@@ -57,7 +58,10 @@ RESTART_INTERVAL_S = 1.0
 
 
 def engine_process_enabled() -> bool:
-    return os.environ.get("NANOPLANE_ENGINE_PROCESS", "0") not in ("", "0")
+    """On unless NANOPLANE_ENGINE_PROCESS is 0 or empty. BENCHMARKS.md: with the engine in the serving
+    process the service fell to 80-86% of the embedded engine in three GPU runs (96-98% in the others);
+    in its own process it made 98.8% and 98.9% in the runs alternated with those."""
+    return os.environ.get("NANOPLANE_ENGINE_PROCESS", "1") not in ("", "0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,8 +41,8 @@ def set_gil_switch_interval() -> None:
 
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
                  ready: threading.Event | None = None) -> None:
-    """`data_plane`: the socket ranks attach to, or (NANOPLANE_ENGINE_PROCESS) the address that the
-    engine process binds for them."""
+    """`data_plane`: the socket ranks attach to (NANOPLANE_ENGINE_PROCESS=0), or the address that the
+    engine process binds for them (the default)."""
     set_gil_switch_interval()
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).

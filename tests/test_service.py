@@ -71,8 +71,11 @@ def embedded_tokens(tiny_models) -> list[list[int]]:
     return embedded_run(tiny_models["qwen3"])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_streams_equal_the_embedded_engine(tiny_models, embedded_tokens, tp):
+# The engine runs in its own process by default (tests/test_engine_process.py covers it at TP=1 with
+# bad input and a killed engine process); "0" keeps it in the serving process, the other layout.
+@pytest.mark.parametrize("tp, engine_process", [(2, "1"), (1, "0")])
+def test_streams_equal_the_embedded_engine(tiny_models, embedded_tokens, tp, engine_process, monkeypatch):
+    monkeypatch.setenv("NANOPLANE_ENGINE_PROCESS", engine_process)  # serve and its children inherit it
     server = Server(tiny_models["qwen3"], tp)
     try:
         assert server.client.model_info().tensor_parallel_size == tp
