@@ -1,5 +1,6 @@
 """The all-reduce of a tensor-parallel step on two GPUs: NCCL against the one-shot symmetric-memory
-kernel (`dataplane/allreduce.py`), per call, at the sizes decode and prefill steps sum.
+kernels (`dataplane/allreduce.py`: torch's, and the Triton one of kernels/one_shot_all_reduce.py), per
+call, at the sizes decode and prefill steps sum.
 
 Each size is timed inside a CUDA graph of 20 calls (as the decode graph runs them) and eagerly, back
 to back. Floor: the bytes one rank must read from its peer over NVLink, at the link's ~450 GB/s one
@@ -55,25 +56,27 @@ def timed(fn, reps: int = 20, graph: bool = True) -> float:
 
 
 def worker(rank: int, port: int) -> None:
-    from dataplane.allreduce import SymmMemAllReduce
+    from dataplane.allreduce import SymmMemAllReduce, TritonOneShotAllReduce
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    fast = SymmMemAllReduce(torch.device("cuda", rank), torch.bfloat16, max_bytes=8 << 20)  # past the default
+    device = torch.device("cuda", rank)
+    fasts = [cls(device, torch.bfloat16, max_bytes=8 << 20) for cls in (SymmMemAllReduce, TritonOneShotAllReduce)]
     rows_out = []
     for rows in ROWS:
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
         nbytes = x.numel() * x.element_size()
         cells = [timed(lambda x=x: dist.all_reduce(x)), timed(lambda x=x: dist.all_reduce(x), graph=False)]
-        if fast(x) is not None:
-            cells += [timed(lambda x=x: fast(x)), timed(lambda x=x: fast(x), graph=False)]
-        else:
-            cells += [float("nan")] * 2
+        for fast in fasts:
+            if fast(x) is not None:
+                cells += [timed(lambda x=x, f=fast: f(x)), timed(lambda x=x, f=fast: f(x), graph=False)]
+            else:
+                cells += [float("nan")] * 2
         rows_out.append((rows, nbytes, *cells))
     if rank == 0:
-        print("| rows x 4096 bf16 | bytes | NCCL graph us | NCCL eager us | one-shot graph us | one-shot eager us "
-              "| floor us |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| rows x 4096 bf16 | bytes | NCCL graph us | NCCL eager us | torch one-shot graph us | "
+              "torch one-shot eager us | Triton one-shot graph us | Triton one-shot eager us | floor us |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for rows, nbytes, *cells in rows_out:
             times = " | ".join(f"{c:.1f}" for c in cells)
             print(f"| {rows} | {nbytes:,} | {times} | {nbytes / NVLINK * 1e6:.1f} |")

@@ -65,15 +65,46 @@ class SymmMemAllReduce:
         return out
 
 
+class TritonOneShotAllReduce(SymmMemAllReduce):
+    """The same buffers, summed by kernels/one_shot_all_reduce.py: one program per SM reads the peers
+    (torch's kernel stops at 24 blocks), and the kernel copies x in itself."""
+
+    def meet(self) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from kernels.one_shot_all_reduce import max_programs
+
+        handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        self.rank, self.world_size = handle.rank, handle.world_size
+        slots = max_programs(self.buffer.device) * self.world_size
+        if handle.signal_pad_size < slots * 4:
+            raise RuntimeError(f"symmetric-memory signal pad of {handle.signal_pad_size} bytes, {slots * 4} needed")
+        # Each rank's buffer starts at the same offset inside its allocation as ours does.
+        offset = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]
+        self.buffers = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
+                                    device=self.buffer.device)
+        self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=self.buffer.device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        from kernels.one_shot_all_reduce import one_shot_all_reduce
+
+        if x.dtype != self.dtype or x.numel() > self.buffer.numel() or not x.is_contiguous() or not x.is_cuda:
+            return None
+        return one_shot_all_reduce(x, torch.empty_like(x), self.buffers, self.pads, self.rank, self.world_size)
+
+
+CHOICES = {"symm_mem": SymmMemAllReduce, "triton": TritonOneShotAllReduce}
+
+
 def make_fast_all_reduce(device: torch.device, dtype: torch.dtype, world_size: int) -> SymmMemAllReduce | None:
-    """The all-reduce `NANOPLANE_ALLREDUCE` asks for: None (NCCL) unless it says symm_mem and this
-    is a CUDA tensor-parallel run where symmetric memory can be set up."""
+    """The all-reduce `NANOPLANE_ALLREDUCE` asks for: None (NCCL) unless it names one of CHOICES and
+    this is a CUDA tensor-parallel run where symmetric memory can be set up."""
     choice = os.environ.get(ENV, "nccl")
-    if choice not in ("nccl", "symm_mem"):
-        raise ValueError(f"{ENV}={choice!r}: expected 'nccl' or 'symm_mem'")
+    if choice != "nccl" and choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}: expected 'nccl', " + " or ".join(repr(c) for c in CHOICES))
     if choice == "nccl" or world_size < 2 or device.type != "cuda":
         return None
-    return set_up_everywhere(lambda: SymmMemAllReduce(device, dtype, meet=False), device)
+    return set_up_everywhere(lambda: CHOICES[choice](device, dtype, meet=False), device)
 
 
 def set_up_everywhere(make, device: torch.device):

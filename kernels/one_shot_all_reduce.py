@@ -1,0 +1,104 @@
+"""All-reduce of a decode-sized tensor over GPUs that can read each other's memory, in one kernel.
+
+Each rank owns a buffer every rank can address (torch symmetric memory) and a pad of int32 signal
+slots. Program p of the grid, on every rank at once:
+
+1. copies its share of x into its rank's buffer;
+2. meets program p of every other rank: posts a flag into each peer's pad (a release at system
+   scope, after a block barrier, so the copy is visible before the flag is), then waits for and
+   consumes each peer's flag in its own pad (an acquire);
+3. sums its share over the ranks in rank order (its own x, the peers' buffers over NVLink), in fp32,
+   and writes the sum: every rank gets the same bits;
+4. meets the peers again, so that no rank's next call overwrites a buffer a peer is still reading.
+
+Program p only ever waits for program p of the peers, whose share is the same, so there is no
+grid-wide barrier; the grid is at most one program per SM so that every program is resident. A flag
+is posted with compare-and-swap 0 -> 1 and consumed with 1 -> 0: a rank that runs ahead waits at
+the post until its previous flag has been consumed, so back-to-back calls (as a CUDA graph replays
+them) cannot lose one. torch's own one-shot kernel does the same with at most 24 blocks, which
+leaves the NVLink reads short of SMs (BENCHMARKS.md: 21 us for 2 MiB against a ~5 us floor).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements a program moves per iteration: 16 bytes a thread at 8 warps for 2-byte types.
+_BLOCK = 2048
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _meet(pads_ptr, rank, slot, WORLD: tl.constexpr):
+    """Program `slot` of every rank reaches this point before any goes on (module docstring, step 2)."""
+    tl.debug_barrier()  # every thread's writes before the flag
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            peer_pad = tl.load(pads_ptr + r).to(tl.pointer_type(tl.int32))
+            seen = tl.atomic_cas(peer_pad + slot * WORLD + rank, 0, 1, sem="release", scope="sys")
+            while seen != 0:
+                seen = tl.atomic_cas(peer_pad + slot * WORLD + rank, 0, 1, sem="release", scope="sys")
+    own_pad = tl.load(pads_ptr + rank).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            seen = tl.atomic_cas(own_pad + slot * WORLD + r, 1, 0, sem="acquire", scope="sys")
+            while seen != 1:
+                seen = tl.atomic_cas(own_pad + slot * WORLD + r, 1, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()  # no thread reads a peer's buffer before the flags are in
+
+
+@triton.jit
+def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
+                                WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    lanes = tl.arange(0, BLOCK)
+    own = tl.load(buffers_ptr + rank).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    for start in range(pid * BLOCK, n, step):
+        offs = start + lanes
+        mask = offs < n
+        tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    _meet(pads_ptr, rank, pid, WORLD)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + lanes
+        mask = offs < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            if r == rank:
+                part = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            else:
+                peer = tl.load(buffers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                # .cv: fetch from the peer every time, never a line an earlier call left in this SM's L1.
+                part = tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv")
+            acc += part.to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _meet(pads_ptr, rank, pid, WORLD)
+
+
+@functools.cache
+def max_programs(device: torch.device) -> int:
+    """The grid's upper bound (one program per SM): the signal pads need this many x world slots."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, buffers: torch.Tensor, pads: torch.Tensor,
+                        rank: int, world_size: int) -> torch.Tensor:
+    """out = the sum of x over the ranks (x contiguous; out like x, may not alias it).
+
+    buffers, pads: int64 [world_size] on x's device, each rank's buffer address (at least x's bytes)
+    and signal pad address (at least max_programs() x world_size int32 slots, zero at the start).
+    Every rank must make the same calls with the same sizes, in the same order.
+    """
+    assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype
+    assert buffers.shape == pads.shape == (world_size,) and buffers.dtype == pads.dtype == torch.int64
+    n = x.numel()
+    if n == 0:
+        return out
+    grid = min(max_programs(x.device), triton.cdiv(n, _BLOCK))
+    _one_shot_all_reduce_kernel[(grid,)](x, out, buffers, pads, n, rank, WORLD=world_size, BLOCK=_BLOCK,
+                                         num_warps=_NUM_WARPS)
+    return out
