@@ -222,6 +222,10 @@ def report_pace(steps: list[tuple], runner) -> None:
               f"{(seconds - floor) / total_gap:.0%} |")
     n, seconds, floor = (sum(g[i] for g in groups.values()) for i in range(3))
     print(f"| all | {n} | {seconds:.3f} | {floor:.3f} | {floor / seconds:.0%} | {seconds - floor:.3f} | 100% |")
+    # A few slow steps (a kernel compiled mid-run, a stall) hide in a bucket's sum; name them.
+    slowest = sorted(range(len(steps)), key=lambda i: steps[i][3], reverse=True)[:6]
+    print("slowest steps (index: rows, prefill tokens, ms): " + ", ".join(
+        f"{i}: {steps[i][0]}, {steps[i][1]}, {steps[i][3] * 1e3:.1f}" for i in sorted(slowest)))
 
 
 def report(t: dict[str, list[float]], elapsed: float) -> None:

@@ -28,6 +28,8 @@ ENV = "NANOPLANE_ALLREDUCE"
 # one-shot kernel beats NCCL up to 2 MiB (21 vs 31 us), ties at 4 MiB and loses at 8 MiB (62 vs 49).
 # Decode sums are at most max_num_seqs x hidden x 2 bytes (256 x 4096 x 2 = 2 MiB for Qwen3-8B).
 DEFAULT_MAX_BYTES = 2 << 20
+# Whether this process has entered a symmetric-memory rendezvous (SymmMemAllReduce.__init__ says why).
+_set_up_before = [False]
 
 
 class SymmMemAllReduce:
@@ -36,6 +38,11 @@ class SymmMemAllReduce:
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES,
                  group: dist.ProcessGroup | None = None, meet: bool = True):
         """`meet=False` allocates only; `meet()` then exchanges the buffers with the other ranks."""
+        if _set_up_before[0]:
+            # Seen on two H200s: a second engine with a one-shot all-reduce in one (pytest) process, on
+            # a new process group of the same name, never finished its first request. NCCL is the
+            # safe answer for that rare case.
+            raise RuntimeError("symmetric memory was set up in this process before (an earlier engine)")
         # The one-shot kernel needs no multicast object; make sure none is created (on shared hosts
         # multicast can take the GPUs out of service).
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -53,6 +60,7 @@ class SymmMemAllReduce:
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        _set_up_before[0] = True
         symm_mem.rendezvous(self.buffer, self.group_name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -74,6 +82,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
 
         from kernels.one_shot_all_reduce import max_programs
 
+        _set_up_before[0] = True
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.rank, self.world_size = handle.rank, handle.world_size
         slots = max_programs(self.buffer.device) * self.world_size

@@ -161,23 +161,47 @@ def test_one_shot_all_reduce_equals_nccl(choice):
         assert len(errors) == 14 and max(errors) == 0.0
 
 
+def _engine_tokens(path: str, prompts: list[list[int]], choice: str, queue) -> None:
+    """The engine's greedy tokens with `choice` as the all-reduce, in a process of its own: rank 0 of
+    each engine is then a fresh process (a second set-up in one process falls back to NCCL)."""
+    import os
+
+    from controlplane import LLM, SamplingParams
+
+    os.environ[ENV] = choice  # the spawned rank inherits it
+    llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, attention_backend="triton",
+              kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8)
+    try:
+        fast = parallel._fast_all_reduce is not None
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        queue.put((fast, [o["token_ids"] for o in outs]))
+    finally:
+        llm.close()
+
+
 @pytest.mark.gpu
 @two_gpus
 @pytest.mark.parametrize("choice", ["symm_mem", "triton"])
-def test_engine_tp2_with_one_shot_all_reduce_matches_transformers(tiny_models, monkeypatch, choice):
-    from controlplane import LLM, SamplingParams
-
-    monkeypatch.setenv(ENV, choice)  # the spawned rank inherits it
+def test_engine_tp2_with_one_shot_all_reduce_matches_transformers(tiny_models, choice):
     path = tiny_models["qwen3"]
     rng = random.Random(8)
     prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (1, 17, 90)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(str(path), device="cuda", dtype="float32", tensor_parallel_size=2, attention_backend="triton",
-              kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8)
-    try:
-        assert parallel._fast_all_reduce is not None, "rank 0 fell back to NCCL (see the warning)"
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.close()
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out["token_ids"] == hf_greedy(path, prompt, params.max_tokens)
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_engine_tokens, args=(str(path), prompts, choice, queue))
+    proc.start()
+    fast, tokens = queue.get(timeout=300)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert fast, "rank 0 fell back to NCCL (see the warning)"
+    for prompt, got in zip(prompts, tokens, strict=True):
+        assert got == hf_greedy(path, prompt, 16)
+
+
+def test_a_second_set_up_in_one_process_is_refused(monkeypatch):
+    from dataplane import allreduce
+
+    monkeypatch.setattr(allreduce, "_set_up_before", [True])
+    for cls in allreduce.CHOICES.values():
+        with pytest.raises(RuntimeError, match="set up in this process before"):
+            cls(torch.device("cpu"), torch.float32, meet=False)
