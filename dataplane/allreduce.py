@@ -28,8 +28,9 @@ ENV = "NANOPLANE_ALLREDUCE"
 # one-shot kernel beats NCCL up to 2 MiB (21 vs 31 us), ties at 4 MiB and loses at 8 MiB (62 vs 49).
 # Decode sums are at most max_num_seqs x hidden x 2 bytes (256 x 4096 x 2 = 2 MiB for Qwen3-8B).
 DEFAULT_MAX_BYTES = 2 << 20
-# Whether this process has entered a symmetric-memory rendezvous (SymmMemAllReduce.__init__ says why).
-_set_up_before = [False]
+# The process group of this process's first symmetric-memory rendezvous (SymmMemAllReduce.__init__
+# says why a later group may not have one).
+_first_group: list[dist.ProcessGroup | None] = [None]
 
 
 class SymmMemAllReduce:
@@ -38,17 +39,18 @@ class SymmMemAllReduce:
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES,
                  group: dist.ProcessGroup | None = None, meet: bool = True):
         """`meet=False` allocates only; `meet()` then exchanges the buffers with the other ranks."""
-        if _set_up_before[0]:
+        group = group or dist.group.WORLD
+        if _first_group[0] is not None and _first_group[0] is not group:
             # Seen on two H200s: a second engine with a one-shot all-reduce in one (pytest) process, on
-            # a new process group of the same name, never finished its first request. NCCL is the
-            # safe answer for that rare case.
-            raise RuntimeError("symmetric memory was set up in this process before (an earlier engine)")
+            # a new process group of the same name, never finished its first request; several
+            # buffers on one group work. NCCL is the safe answer for that rare case.
+            raise RuntimeError("symmetric memory was set up in this process before, for another process group")
         # The one-shot kernel needs no multicast object; make sure none is created (on shared hosts
         # multicast can take the GPUs out of service).
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
 
-        group = group or dist.group.WORLD
+        self.group = group
         self.group_name = group.group_name
         self.dtype = dtype
         self.buffer = symm_mem.empty(max_bytes // torch.empty(0, dtype=dtype).element_size(), dtype=dtype,
@@ -60,7 +62,8 @@ class SymmMemAllReduce:
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        _set_up_before[0] = True
+        if _first_group[0] is None:
+            _first_group[0] = self.group
         symm_mem.rendezvous(self.buffer, self.group_name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -82,7 +85,8 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
 
         from kernels.one_shot_all_reduce import max_programs
 
-        _set_up_before[0] = True
+        if _first_group[0] is None:
+            _first_group[0] = self.group
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.rank, self.world_size = handle.rank, handle.world_size
         slots = max_programs(self.buffer.device) * self.world_size

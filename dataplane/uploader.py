@@ -8,6 +8,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# Each array starts at a multiple of this many bytes. Triton compiles a kernel once per pattern of its
+# pointer arguments' 16-byte alignment: packed back to back, an odd number of int64s would leave the
+# next array misaligned, and a kernel launched outside CUDA graphs (the sampler under tensor
+# parallelism) would compile a new variant mid-run, when a batch first has such a size. That is the
+# likeliest cause of the 875 ms step at 4 rows of a TP=2 run with a cold Triton cache (BENCHMARKS.md).
+ALIGN_BYTES = 16
+
+
+def layout(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
+    """Element offsets of arrays of `sizes` packed in one buffer, each aligned to ALIGN_BYTES; the total."""
+    step = max(1, ALIGN_BYTES // itemsize)
+    offsets, offset = [], 0
+    for size in sizes:
+        offsets.append(offset)
+        offset += -(-size // step) * step
+    return offsets, offset
+
 
 class Uploader:
     # Staging buffers in turn: a buffer is reused only after the copies of RING uploads ago left it.
@@ -56,14 +73,11 @@ class Uploader:
         groups = []
         for dtype in {a.dtype for a in arrays}:
             members = [i for i, a in enumerate(arrays) if a.dtype == dtype]
-            total = sum(arrays[i].size for i in members)
+            offsets, total = layout([arrays[i].size for i in members], np.dtype(dtype).itemsize)
             host = self._buffer(dtype, total)
             flat = host.numpy()
-            offsets, offset = [], 0
-            for i in members:
+            for i, offset in zip(members, offsets, strict=True):
                 flat[offset:offset + arrays[i].size] = arrays[i].ravel()
-                offsets.append(offset)
-                offset += arrays[i].size
             groups.append((host[:total], members, offsets))
         return groups
 

@@ -163,7 +163,7 @@ def test_one_shot_all_reduce_equals_nccl(choice):
 
 def _engine_tokens(path: str, prompts: list[list[int]], choice: str, queue) -> None:
     """The engine's greedy tokens with `choice` as the all-reduce, in a process of its own: rank 0 of
-    each engine is then a fresh process (a second set-up in one process falls back to NCCL)."""
+    each engine is then a fresh process (a second engine's group in one process falls back to NCCL)."""
     import os
 
     from controlplane import LLM, SamplingParams
@@ -198,10 +198,10 @@ def test_engine_tp2_with_one_shot_all_reduce_matches_transformers(tiny_models, c
         assert got == hf_greedy(path, prompt, 16)
 
 
-def test_a_second_set_up_in_one_process_is_refused(monkeypatch):
+def test_a_set_up_for_a_second_process_group_is_refused(monkeypatch):
     from dataplane import allreduce
 
-    monkeypatch.setattr(allreduce, "_set_up_before", [True])
+    monkeypatch.setattr(allreduce, "_first_group", [object()])  # an earlier engine's group
     for cls in allreduce.CHOICES.values():
-        with pytest.raises(RuntimeError, match="set up in this process before"):
-            cls(torch.device("cpu"), torch.float32, meet=False)
+        with pytest.raises(RuntimeError, match="for another process group"):
+            cls(torch.device("cpu"), torch.float32, group=object(), meet=False)
