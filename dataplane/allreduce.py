@@ -7,9 +7,11 @@ input into a buffer every rank can address (torch symmetric memory), meets the o
 device-side barrier and has each rank read and add all the buffers itself: one kernel, no ring
 steps, capturable in a CUDA graph. Larger tensors (prefill) stay with NCCL.
 
-Opt-in (`NANOPLANE_ALLREDUCE=symm_mem`): it gave Qwen3-8B on two H200s 2% more tokens/s
-(BENCHMARKS.md), and the ranks' set-up is a rendezvous that a rank failing inside it could leave its
-peer waiting in. It never uses NVLink multicast (the multimem operations): the one-shot kernel reads
+Two kernels, both opt-in: `NANOPLANE_ALLREDUCE=symm_mem` is torch's (at most 24 blocks; 2% more
+tokens/s for Qwen3-8B on two H200s), `NANOPLANE_ALLREDUCE=triton` is kernels/one_shot_all_reduce.py
+(one program per SM: 15 us for 2 MiB against torch's 22 and NCCL's 32; 4% more tokens/s, 14,611 against
+14,024; BENCHMARKS.md). Opt-in because the ranks' set-up is a rendezvous that a rank failing inside it
+could leave its peer waiting in. Neither uses NVLink multicast (the multimem operations): both read
 peers with plain loads.
 """
 

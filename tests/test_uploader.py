@@ -22,3 +22,23 @@ def test_layout_aligns_every_array_and_keeps_them_apart(itemsize):
 def test_layout_packs_aligned_sizes_back_to_back():
     assert layout([2, 4, 6], 8) == ([0, 2, 6], 12)
     assert layout([5, 1], np.dtype(np.int64).itemsize) == ([0, 6], 8)
+
+
+def test_staging_packs_each_dtype_aligned_and_intact(monkeypatch):
+    """The staging step the CUDA path copies from (run here on host buffers, without pinning)."""
+    import torch
+
+    from dataplane.uploader import Uploader
+
+    up = Uploader(torch.device("cpu"))
+    monkeypatch.setattr(up, "_buffer", lambda dtype, size: torch.from_numpy(np.zeros(max(size, 1), dtype=dtype)))
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 99, n).astype(np.int64) for n in (3, 5, 1)] + [rng.random((2, 3)).astype(np.float32)]
+    seen = set()
+    for host, members, offsets in up._stage(arrays):
+        for i, start in zip(members, offsets, strict=True):
+            seen.add(i)
+            assert start * host.element_size() % ALIGN_BYTES == 0
+            got = host[start:start + arrays[i].size].numpy().reshape(arrays[i].shape)
+            assert np.array_equal(got, arrays[i])
+    assert seen == set(range(len(arrays)))
