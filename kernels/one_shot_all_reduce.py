@@ -75,13 +75,22 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
                 # .cv: fetch from the peer every time, never a line an earlier call left in this SM's L1.
                 part = tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv")
             acc += part.to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if out_ptr.dtype.element_ty == tl.float32:
+            tl.store(out_ptr + offs, acc, mask=mask)
+        else:  # rounded to nearest even, as NCCL's sum is (Triton's CPU interpreter truncates instead)
+            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     _meet(pads_ptr, rank, pid, WORLD)
+
+
+# Programs on a CPU (Triton's interpreter, for tests): a few, so that more than one slot is used.
+_CPU_PROGRAMS = 3
 
 
 @functools.cache
 def max_programs(device: torch.device) -> int:
     """The grid's upper bound (one program per SM): the signal pads need this many x world slots."""
+    if device.type != "cuda":
+        return _CPU_PROGRAMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
