@@ -78,8 +78,9 @@ def make_random_model(path: Path, shape: str = "0.6b") -> None:
 
 def warmup_workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
     """Other prompts (no prefix-cache hits for the timed run) and outputs of 1..num_seqs tokens, one
-    request each: the batch then shrinks one row a step, so every batch size and prefill shape the
-    timed run meets comes first here, and no kernel is compiled or loaded while the clock runs."""
+    request each: once all are admitted the batch shrinks by about one row a step, so (nearly) every
+    batch size and prefill shape the timed run meets comes first here, and no kernel is compiled or
+    loaded while the clock runs."""
     rng = random.Random(1)
     prompts = [[rng.randint(10001, 20000) for _ in range(rng.randint(100, 1024))] for _ in range(num_seqs)]
     max_tokens = list(range(1, num_seqs + 1))

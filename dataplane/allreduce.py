@@ -9,10 +9,10 @@ steps, capturable in a CUDA graph. Larger tensors (prefill) stay with NCCL.
 
 Two kernels, both opt-in: `NANOPLANE_ALLREDUCE=symm_mem` is torch's (at most 24 blocks; 2% more
 tokens/s for Qwen3-8B on two H200s), `NANOPLANE_ALLREDUCE=triton` is kernels/one_shot_all_reduce.py
-(one program per SM: 15 us for 2 MiB against torch's 22 and NCCL's 32; 4% more tokens/s, 14,611 against
-14,024; BENCHMARKS.md). Opt-in because the ranks' set-up is a rendezvous that a rank failing inside it
-could leave its peer waiting in. Neither uses NVLink multicast (the multimem operations): both read
-peers with plain loads.
+(a program per SM: 15 us for 2 MiB against torch's 22 and NCCL's 32; 4% more tokens/s, 14,611 against
+14,024, measured at 88c97fb, before its peer reads were vectorized; BENCHMARKS.md). Opt-in because
+the ranks' set-up is a rendezvous that a rank failing inside it could leave its peer waiting in.
+Neither uses NVLink multicast (the multimem operations): both read peers with plain loads.
 """
 
 from __future__ import annotations
@@ -57,16 +57,14 @@ class SymmMemAllReduce:
         self.dtype = dtype
         self.buffer = symm_mem.empty(max_bytes // torch.empty(0, dtype=dtype).element_size(), dtype=dtype,
                                      device=device)
-        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
         if meet:
             self.meet()
 
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        if _first_group[0] is None:
-            _first_group[0] = self.group
         symm_mem.rendezvous(self.buffer, self.group_name)
+        self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         n = x.numel()
@@ -79,16 +77,14 @@ class SymmMemAllReduce:
 
 
 class TritonOneShotAllReduce(SymmMemAllReduce):
-    """The same buffers, summed by kernels/one_shot_all_reduce.py: one program per SM reads the peers
-    (torch's kernel stops at 24 blocks), and the kernel copies x in itself."""
+    """The same buffers, summed by kernels/one_shot_all_reduce.py: 128 programs read the peers (torch's
+    kernel stops at 24 blocks), and the kernel copies x in itself."""
 
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         from kernels.one_shot_all_reduce import max_programs
 
-        if _first_group[0] is None:
-            _first_group[0] = self.group
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         self.rank, self.world_size = handle.rank, handle.world_size
         slots = max_programs(self.buffer.device) * self.world_size
@@ -96,8 +92,10 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
             raise RuntimeError(f"symmetric-memory signal pad of {handle.signal_pad_size} bytes, {slots * 4} needed")
         # Each rank's buffer starts at the same offset inside its allocation as ours does.
         offset = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]
-        self.buffers = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
-                                    device=self.buffer.device)
+        addresses = [p + offset for p in handle.buffer_ptrs]
+        if any(a % 16 for a in addresses):  # the kernel reads them 16 bytes at a time
+            raise RuntimeError(f"symmetric buffers not 16-byte aligned: {[hex(a) for a in addresses]}")
+        self.buffers = torch.tensor(addresses, dtype=torch.int64, device=self.buffer.device)
         self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=self.buffer.device)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -137,6 +135,8 @@ def set_up_everywhere(make, device: torch.device):
         except RuntimeError as e:
             fast, error = None, str(e)
         if _everywhere(fast is not None, device):
+            if _first_group[0] is None and hasattr(fast, "group"):
+                _first_group[0] = fast.group
             return fast
     log.warning("symmetric-memory all-reduce unavailable on some rank (%s); using NCCL", error or "see its log")
     return None

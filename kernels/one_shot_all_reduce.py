@@ -12,7 +12,7 @@ slots. Program p of the grid, on every rank at once:
 4. meets the peers again, so that no rank's next call overwrites a buffer a peer is still reading.
 
 Program p only ever waits for program p of the peers, whose share is the same, so there is no
-grid-wide barrier; the grid is at most one program per SM so that every program is resident. A flag
+grid-wide barrier; the grid is small enough (128 programs) for every program to be resident. A flag
 is posted with compare-and-swap 0 -> 1 and consumed with 1 -> 0: a rank that runs ahead waits at
 the post until its previous flag has been consumed, so back-to-back calls (as a CUDA graph replays
 them) cannot lose one. torch's own one-shot kernel does the same with at most 24 blocks, which
@@ -21,15 +21,22 @@ leaves the NVLink reads short of SMs (BENCHMARKS.md: 21 us for 2 MiB against a ~
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-# Elements a program moves per iteration: 16 bytes a thread at 8 warps for 2-byte types.
+# Elements a program moves per iteration: 16 bytes a thread at 8 warps for 2-byte types (the buffer
+# addresses are loaded from a table, so the kernel declares them 16-byte aligned, which the launcher's
+# caller guarantees: without that Triton moves the peers' data 2 bytes at a time).
 _BLOCK = 2048
 _NUM_WARPS = 8
+# Programs of the grid on a GPU: the same on every rank whatever its SM count (the ranks' grids must
+# match, program for program), at most one per SM of an H100/H200, and all resident at once on any
+# GPU of 16 SMs or more (a program is 8 warps and little else), so none waits for a peer's program
+# that cannot start.
+_GPU_PROGRAMS = 128
+# On a CPU (Triton's interpreter, for tests): a few, so that more than one slot is used.
+_CPU_PROGRAMS = 3
 
 
 @triton.jit
@@ -57,7 +64,7 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    own = tl.load(buffers_ptr + rank).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    own = tl.multiple_of(tl.load(buffers_ptr + rank).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
     for start in range(pid * BLOCK, n, step):
         offs = start + lanes
         mask = offs < n
@@ -71,7 +78,7 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
             if r == rank:
                 part = tl.load(x_ptr + offs, mask=mask, other=0.0)
             else:
-                peer = tl.load(buffers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
                 # .cv: fetch from the peer every time, never a line an earlier call left in this SM's L1.
                 part = tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv")
             acc += part.to(tl.float32)
@@ -82,24 +89,17 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
     _meet(pads_ptr, rank, pid, WORLD)
 
 
-# Programs on a CPU (Triton's interpreter, for tests): a few, so that more than one slot is used.
-_CPU_PROGRAMS = 3
-
-
-@functools.cache
 def max_programs(device: torch.device) -> int:
-    """The grid's upper bound (one program per SM): the signal pads need this many x world slots."""
-    if device.type != "cuda":
-        return _CPU_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The grid's upper bound: the signal pads need this many x world_size int32 slots."""
+    return _GPU_PROGRAMS if device.type == "cuda" else _CPU_PROGRAMS
 
 
 def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, buffers: torch.Tensor, pads: torch.Tensor,
                         rank: int, world_size: int) -> torch.Tensor:
     """out = the sum of x over the ranks (x contiguous; out like x, may not alias it).
 
-    buffers, pads: int64 [world_size] on x's device, each rank's buffer address (at least x's bytes)
-    and signal pad address (at least max_programs() x world_size int32 slots, zero at the start).
+    buffers, pads: int64 [world_size] on x's device, each rank's buffer address (16-byte aligned, at
+    least x's bytes) and signal pad address (at least max_programs() x world_size int32 slots, zero at the start).
     Every rank must make the same calls with the same sizes, in the same order.
     """
     assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype

@@ -4,6 +4,7 @@ the engine's greedy tokens with it."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -93,6 +94,23 @@ def test_ranks_agree_on_the_fast_path(fail):
         assert results == {0: (False, []), 1: (False, [1])}
 
 
+def _kill_trees(procs) -> None:
+    import psutil
+
+    for proc in procs:
+        if proc.pid is None:
+            continue
+        try:
+            tree = psutil.Process(proc.pid)
+            victims = tree.children(recursive=True) + [tree]
+        except psutil.NoSuchProcess:
+            continue
+        for victim in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.kill()
+        proc.join(timeout=10)
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 
@@ -152,10 +170,13 @@ def test_one_shot_all_reduce_equals_nccl(choice):
     procs = [ctx.Process(target=_compare_with_nccl, args=(rank, port, choice, queue)) for rank in (0, 1)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    try:
+        results = dict(queue.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        _kill_trees(procs)  # a rank spinning in a kernel must fail the test, not hang pytest's exit
     assert sorted(results) == [0, 1]
     for errors in results.values():
         assert len(errors) == 14 and max(errors) == 0.0
@@ -190,9 +211,12 @@ def test_engine_tp2_with_one_shot_all_reduce_matches_transformers(tiny_models, c
     queue = ctx.Queue()
     proc = ctx.Process(target=_engine_tokens, args=(str(path), prompts, choice, queue))
     proc.start()
-    fast, tokens = queue.get(timeout=300)
-    proc.join(timeout=60)
-    assert proc.exitcode == 0
+    try:
+        fast, tokens = queue.get(timeout=300)
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    finally:
+        _kill_trees([proc])  # the engine's rank 1 is a grandchild
     assert fast, "rank 0 fell back to NCCL (see the warning)"
     for prompt, got in zip(prompts, tokens, strict=True):
         assert got == hf_greedy(path, prompt, 16)

@@ -117,7 +117,10 @@ def greedy(server: Server, prompt: list[int]) -> list[int]:
             for t in chunk.token_ids]
 
 
-def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, embedded_tokens):
+@pytest.mark.parametrize("engine_process", ["1", "0"])
+def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, embedded_tokens, engine_process,
+                                                                 monkeypatch):
+    monkeypatch.setenv("NANOPLANE_ENGINE_PROCESS", engine_process)
     server = Server(tiny_models["qwen3"], 2)
     try:
         kill_mid_stream(server, server.ranks()[-1])
@@ -126,8 +129,9 @@ def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, em
         server.close()
 
 
-def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded_tokens, tmp_path):
+def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded_tokens, tmp_path, monkeypatch):
     """The planes apart: the API is up at once, NOT_SERVING and UNAVAILABLE until ranks attach."""
+    monkeypatch.setenv("NANOPLANE_ENGINE_PROCESS", "1")  # the default layout, whatever this shell says
     model, port, bind = tiny_models["qwen3"], free_port(), f"ipc://{tmp_path}/plane.sock"
     control = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "controlplane", "--model", str(model),
                                 "--host", "127.0.0.1", "--port", str(port), "--bind", bind,
