@@ -2,7 +2,8 @@
 GPUs, shared-memory segments for the symmetric buffers and signal pads (each process addresses both,
 as peers address each other's buffers over NVLink). The flags are real atomic compare-and-swaps on
 shared memory, so this runs the kernel's protocol (copy, meet, sum in rank order, meet again) across
-processes, call after call; the GPU test (tests/test_allreduce.py) runs it on two H200s.
+processes, call after call, with one rank slower than the other; the GPU test (tests/test_allreduce.py)
+runs it on two H200s.
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _rank(rank: int, names: dict[str, list[str]], queue) -> None:
     from kernels.one_shot_all_reduce import one_shot_all_reduce
+
+    if rank == 1:
+        # Rank 1 reads slowly, so rank 0 runs ahead into its next call while rank 1 still reads rank
+        # 0's buffer from the last one: only the kernel's second meet keeps that buffer unchanged.
+        import time
+
+        from triton.runtime.interpreter import InterpreterBuilder
+
+        load = InterpreterBuilder.create_masked_load
+
+        def slow_load(self, *args, **kwargs):
+            time.sleep(0.01)
+            return load(self, *args, **kwargs)
+
+        InterpreterBuilder.create_masked_load = slow_load
 
     segments = [shared_memory.SharedMemory(name=name) for kind in ("buffers", "pads") for name in names[kind]]
     try:
