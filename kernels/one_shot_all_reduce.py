@@ -31,9 +31,9 @@ import triton.language as tl
 _BLOCK = 2048
 _NUM_WARPS = 8
 # Programs of the grid on a GPU: the same on every rank whatever its SM count (the ranks' grids must
-# match, program for program), at most one per SM of an H100/H200, and all resident at once on any
-# GPU of 16 SMs or more (a program is 8 warps and little else), so none waits for a peer's program
-# that cannot start.
+# match, program for program), and at most one per SM of an H100/H200 (132 SMs), so all are resident
+# at once and none waits for a peer's program that cannot start. A GPU with fewer SMs needs several
+# programs (8 warps each) resident per SM: not tried.
 _GPU_PROGRAMS = 128
 # On a CPU (Triton's interpreter, for tests): a few, so that more than one slot is used.
 _CPU_PROGRAMS = 3
