@@ -1,6 +1,7 @@
 """The all-reduce of a tensor-parallel step on two GPUs: NCCL against the one-shot symmetric-memory
 kernels (`dataplane/allreduce.py`: torch's, and the Triton one of kernels/one_shot_all_reduce.py), per
-call, at the sizes decode and prefill steps sum.
+call, at the sizes decode and prefill steps sum; and the Triton one followed by the RMSNorm after it,
+against the kernel that fuses the two.
 
 Each size is timed inside a CUDA graph of 20 calls (as the decode graph runs them) and eagerly, back
 to back. Floor: the bytes one rank must read from its peer over NVLink, at the link's ~450 GB/s one
@@ -57,11 +58,14 @@ def timed(fn, reps: int = 20, graph: bool = True) -> float:
 
 def worker(rank: int, port: int) -> None:
     from dataplane.allreduce import SymmMemAllReduce, TritonOneShotAllReduce
+    from kernels import rms_norm
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     device = torch.device("cuda", rank)
     fasts = [cls(device, torch.bfloat16, max_bytes=8 << 20) for cls in (SymmMemAllReduce, TritonOneShotAllReduce)]
+    weight = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    triton_ar = fasts[1]
     rows_out = []
     for rows in ROWS:
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -72,11 +76,19 @@ def worker(rank: int, port: int) -> None:
                 cells += [timed(lambda x=x, f=fast: f(x)), timed(lambda x=x, f=fast: f(x), graph=False)]
             else:
                 cells += [float("nan")] * 2
+        # A decoder layer's sum and the RMSNorm after it: two kernels, or the fused one (graph).
+        if triton_ar(x) is not None:
+            r = torch.randn_like(x)
+            cells += [timed(lambda x=x, r=r: rms_norm(triton_ar(x), weight, 1e-6, r)),
+                      timed(lambda x=x, r=r: triton_ar.add_rms_norm(x, r, weight, 1e-6))]
+        else:
+            cells += [float("nan")] * 2
         rows_out.append((rows, nbytes, *cells))
     if rank == 0:
         print("| rows x 4096 bf16 | bytes | NCCL graph us | NCCL eager us | torch one-shot graph us | "
-              "torch one-shot eager us | Triton one-shot graph us | Triton one-shot eager us | floor us |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              "torch one-shot eager us | Triton one-shot graph us | Triton one-shot eager us | "
+              "Triton one-shot, then RMSNorm (graph) | fused (graph) | floor us |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for rows, nbytes, *cells in rows_out:
             times = " | ".join(f"{c:.1f}" for c in cells)
             print(f"| {rows} | {nbytes:,} | {times} | {nbytes / NVLINK * 1e6:.1f} |")

@@ -12,7 +12,9 @@ tokens/s for Qwen3-8B on two H200s), `NANOPLANE_ALLREDUCE=triton` is kernels/one
 (a program per SM: 15 us for 2 MiB against torch's 22 and NCCL's 32; 4% more tokens/s, 14,611 against
 14,024, measured at 88c97fb, before its peer reads were vectorized; BENCHMARKS.md). Opt-in because
 the ranks' set-up is a rendezvous that a rank failing inside it could leave its peer waiting in.
-Neither uses NVLink multicast (the multimem operations): both read peers with plain loads.
+Neither uses NVLink multicast (the multimem operations): both read peers with plain loads. The
+Triton one also offers `add_rms_norm`: the sum, the residual add and the RMSNorm that follows a
+row-parallel layer in one kernel (models/layers/layernorm.py calls it through parallel.py).
 """
 
 from __future__ import annotations
@@ -104,6 +106,18 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
         if x.dtype != self.dtype or x.numel() > self.buffer.numel() or not x.is_contiguous() or not x.is_cuda:
             return None
         return one_shot_all_reduce(x, torch.empty_like(x), self.buffers, self.pads, self.rank, self.world_size)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The RMSNorm that follows a row-parallel layer, with its residual add and the layer's sum
+        over the ranks in one kernel: (normed, new residual), or None for a tensor it does not take."""
+        from kernels.one_shot_all_reduce import one_shot_all_reduce_rms_norm
+
+        if (x.dtype != self.dtype or x.dim() != 2 or x.numel() > self.buffer.numel() or not x.is_cuda
+                or not x.is_contiguous() or not residual.is_contiguous() or residual.dtype != x.dtype):
+            return None
+        return one_shot_all_reduce_rms_norm(x, residual, weight, eps, self.buffers, self.pads, self.rank,
+                                            self.world_size)
 
 
 CHOICES = {"symm_mem": SymmMemAllReduce, "triton": TritonOneShotAllReduce}

@@ -59,6 +59,30 @@ def _meet(pads_ptr, rank, slot, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _round(v, dtype: tl.constexpr):
+    """fp32 `v` in dtype, rounded to nearest even as NCCL's sum and torch's ops are (Triton's CPU
+    interpreter truncates instead)."""
+    if dtype == tl.float32:
+        return v
+    return v.to(dtype, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _sum_over_ranks(x_ptr, buffers_ptr, offs, mask, rank, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 sum of x over the ranks at `offs`, in rank order: this rank's x, the peers' buffers."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == rank:
+            part = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        else:
+            peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
+            # .cv: fetch from the peer every time, never a line an earlier call left in this SM's L1.
+            part = tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv")
+        acc += part.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
                                 WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -73,19 +97,38 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
     for start in range(pid * BLOCK, n, step):
         offs = start + lanes
         mask = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            if r == rank:
-                part = tl.load(x_ptr + offs, mask=mask, other=0.0)
-            else:
-                peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
-                # .cv: fetch from the peer every time, never a line an earlier call left in this SM's L1.
-                part = tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv")
-            acc += part.to(tl.float32)
-        if out_ptr.dtype.element_ty == tl.float32:
-            tl.store(out_ptr + offs, acc, mask=mask)
-        else:  # rounded to nearest even, as NCCL's sum is (Triton's CPU interpreter truncates instead)
-            tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        acc = _sum_over_ranks(x_ptr, buffers_ptr, offs, mask, rank, WORLD, BLOCK)
+        tl.store(out_ptr + offs, _round(acc, out_ptr.dtype.element_ty), mask=mask)
+    _meet(pads_ptr, rank, pid, WORLD)
+
+
+@triton.jit
+def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+                                         buffers_ptr, pads_ptr, rows, rank, eps,
+                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr):
+    """The all-reduce of x [rows, HIDDEN], then kernels/rmsnorm.py's residual add and RMSNorm, row by
+    row, with the same roundings: one kernel where a decoder layer had two."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    cmask = cols < HIDDEN
+    dtype = x_ptr.dtype.element_ty
+    own = tl.multiple_of(tl.load(buffers_ptr + rank).to(tl.pointer_type(dtype)), 16)
+    for row in range(pid, rows, nprog):
+        offs = row * HIDDEN + cols  # decode-sized: far from int32's limit
+        tl.store(own + offs, tl.load(x_ptr + offs, mask=cmask), mask=cmask)
+    _meet(pads_ptr, rank, pid, WORLD)
+    w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    for row in range(pid, rows, nprog):
+        offs = row * HIDDEN + cols  # decode-sized: far from int32's limit
+        summed = _round(_sum_over_ranks(x_ptr, buffers_ptr, offs, cmask, rank, WORLD, BLOCK), dtype)
+        r = tl.load(residual_ptr + offs, mask=cmask, other=0.0)
+        h = _round(summed.to(tl.float32) + r.to(tl.float32), dtype)
+        tl.store(residual_out_ptr + offs, h, mask=cmask)
+        hf = h.to(tl.float32)
+        hf = hf * tl.rsqrt(tl.sum(hf * hf, 0) / HIDDEN + eps)
+        hf = _round(hf, dtype).to(tl.float32)
+        tl.store(out_ptr + offs, _round(w * hf, out_ptr.dtype.element_ty), mask=cmask)
     _meet(pads_ptr, rank, pid, WORLD)
 
 
@@ -111,3 +154,26 @@ def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, buffers: torch.Tenso
     _one_shot_all_reduce_kernel[(grid,)](x, out, buffers, pads, n, rank, WORLD=world_size, BLOCK=_BLOCK,
                                          num_warps=_NUM_WARPS)
     return out
+
+
+def one_shot_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                 buffers: torch.Tensor, pads: torch.Tensor, rank: int, world_size: int,
+                                 *, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(sum + residual) * weight, sum + residual), sum = x summed over the ranks: what
+    kernels.rms_norm(all_reduce(x), weight, eps, residual) gives, in one kernel. x, residual: [T, H]
+    contiguous, same dtype; weight [H]; buffers and pads as for one_shot_all_reduce. residual_out may
+    alias residual."""
+    assert x.dim() == 2 and x.is_contiguous() and residual.shape == x.shape and residual.is_contiguous()
+    assert residual.dtype == x.dtype and weight.shape == (x.shape[1],) and weight.is_contiguous()
+    assert buffers.shape == pads.shape == (world_size,) and buffers.dtype == pads.dtype == torch.int64
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual_out is None else residual_out
+    assert residual_out.shape == x.shape and residual_out.dtype == x.dtype and residual_out.is_contiguous()
+    if rows == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    _one_shot_all_reduce_rms_norm_kernel[(min(max_programs(x.device), rows),)](
+        x, residual, weight, out, residual_out, buffers, pads, rows, rank, eps,
+        HIDDEN=hidden, BLOCK=block, WORLD=world_size, num_warps=min(16, max(4, block // 512)))
+    return out, residual_out

@@ -1,7 +1,8 @@
 """Llama-family decoder (LlamaForCausalLM); Qwen3 is the same with per-head q/k RMSNorm.
 
-Model math only: tensor parallelism lives in the layers (`models/layers/`), batch structure in the
-attention context. `forward(input_ids, positions)` takes the step's tokens packed into one row.
+Model math only: tensor parallelism lives in the layers (`models/layers/`; the decoder layer only
+says which RMSNorm sums the row-parallel outputs), batch structure in the attention context.
+`forward(input_ids, positions)` takes the step's tokens packed into one row.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from models.layers.fused import fused_kernels_enabled
 from models.layers.layernorm import RMSNorm
 from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.layers.parallel import tp_size
 from models.layers.rotary import RotaryEmbedding
 
 
@@ -36,12 +38,12 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if fused_kernels_enabled():
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
             out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *norm)
-            return self.o_proj(out.flatten(1))
+            return self.o_proj(out.flatten(1), reduce)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -50,7 +52,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        return self.o_proj(self.attn(q, k, v).flatten(1), reduce)
 
 
 class MLP(nn.Module):
@@ -63,40 +65,48 @@ class MLP(nn.Module):
             raise ValueError(f"activation {config.hidden_act!r} is not supported (only silu)")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)), reduce)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, qk_norm: bool):
+    def __init__(self, config, qk_norm: bool, defer_sums: bool = False):
         super().__init__()
+        # Tensor parallelism: the row-parallel projections hand their partial products to the next
+        # RMSNorm, which sums them over the ranks (with its residual add, in one kernel where it can).
+        self.defer_sums = defer_sums
         self.self_attn = SelfAttention(config, qk_norm)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
+        defer = self.defer_sums
+        if residual is None:  # the first layer: x is the embedding, already whole
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm(x, residual, reduce=defer)
+        x = self.self_attn(positions, x, reduce=not defer)
+        x, residual = self.post_attention_layernorm(x, residual, reduce=defer)
+        return self.mlp(x, reduce=not defer), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config, qk_norm: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        # Biased row-parallel layers add their bias after the sum, so they keep summing themselves.
+        biased = getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+        self.defer_sums = tp_size() > 1 and not biased
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, self.defer_sums)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, reduce=self.defer_sums)
         return x
 
 

@@ -9,6 +9,8 @@ runs it on two H200s.
 from __future__ import annotations
 
 import contextlib
+import queue as queue_module
+import time
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -25,14 +27,23 @@ def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(n, generator=gen).to(dtype)
 
 
+# The fused all-reduce + residual add + RMSNorm: (rows, hidden); hidden 100 is not a power of two.
+NORM_SHAPES = ((3, 64), (5, 100), (1, 128))
+EPS = 1e-6
+
+
+def _norm_inputs(rows: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream and the norm's weight: the same on every rank."""
+    gen = torch.Generator().manual_seed(31 * rows + hidden)
+    return torch.randn(rows, hidden, generator=gen).to(dtype), (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+
+
 def _rank(rank: int, names: dict[str, list[str]], queue) -> None:
-    from kernels.one_shot_all_reduce import one_shot_all_reduce
+    from kernels.one_shot_all_reduce import one_shot_all_reduce, one_shot_all_reduce_rms_norm
 
     if rank == 1:
         # Rank 1 reads slowly, so rank 0 runs ahead into its next call while rank 1 still reads rank
         # 0's buffer from the last one: only the kernel's second meet keeps that buffer unchanged.
-        import time
-
         from triton.runtime.interpreter import InterpreterBuilder
 
         load = InterpreterBuilder.create_masked_load
@@ -54,12 +65,31 @@ def _rank(rank: int, names: dict[str, list[str]], queue) -> None:
                 x = _inputs(rank, n, dtype)
                 out = one_shot_all_reduce(x, torch.empty_like(x), buffers, pads, rank, 2)
                 outs[str(dtype), n] = out.float().numpy().copy()  # bf16 -> fp32 is exact; numpy pickles plainly
+            for rows, hidden in NORM_SHAPES:
+                x = _inputs(rank, rows * hidden, dtype).view(rows, hidden)
+                residual, weight = _norm_inputs(rows, hidden, dtype)
+                alias = rows == 5  # residual_out may be the residual itself
+                normed, summed = one_shot_all_reduce_rms_norm(x, residual, weight, EPS, buffers, pads, rank, 2,
+                                                              residual_out=residual if alias else None)
+                assert (summed is residual) == alias
+                outs[str(dtype), "norm", rows] = (normed.float().numpy().copy(), summed.float().numpy().copy())
         del views, buffers, pads
         queue.put((rank, outs))
     finally:
         for s in segments:
             with contextlib.suppress(BufferError):
                 s.close()
+
+
+def _get(queue, procs, timeout: float = 300.0):
+    """The next result; a rank that died (its peer then spins at a meet forever) fails at once."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue_module.Empty):
+            return queue.get(timeout=1.0)
+        dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        assert not dead, f"a rank exited with {dead} (its traceback is above)"
+    raise TimeoutError("no result from the ranks")
 
 
 def test_two_ranks_sum_call_after_call():
@@ -77,7 +107,7 @@ def test_two_ranks_sum_call_after_call():
         for p in procs:
             p.start()
         try:
-            results = dict(queue.get(timeout=300) for _ in procs)
+            results = dict(_get(queue, procs) for _ in procs)
         finally:
             for p in procs:
                 p.join(timeout=30)
@@ -87,7 +117,7 @@ def test_two_ranks_sum_call_after_call():
         outs0, outs1 = results[0], results[1]
         # Every flag posted was consumed: the pads are back to zero for the next call.
         assert not any(bytes(seg.buf).strip(b"\0") for seg in owned[2:])
-        assert len(outs0) == len(outs1) == 2 * len(SIZES)
+        assert len(outs0) == len(outs1) == 2 * (len(SIZES) + len(NORM_SHAPES))
         for n in SIZES:
             exact = (_inputs(0, n, torch.float32) + _inputs(1, n, torch.float32)).numpy()
             assert np.array_equal(outs0["torch.float32", n], exact) and np.array_equal(outs1["torch.float32", n], exact)
@@ -98,6 +128,17 @@ def test_two_ranks_sum_call_after_call():
             wide = _inputs(0, n, torch.bfloat16).float() + _inputs(1, n, torch.bfloat16).float()
             truncated = (wide.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
             assert bool(((got == wide.to(torch.bfloat16)) | (got == truncated)).all()), n
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+            for rows, hidden in NORM_SHAPES:
+                (normed, summed), (normed1, summed1) = outs0[str(dtype), "norm", rows], outs1[str(dtype), "norm", rows]
+                assert np.array_equal(normed, normed1) and np.array_equal(summed, summed1)  # the same bits everywhere
+                # Reference in fp32: all-reduce, residual add, RMSNorm (HF's order of operations).
+                x = sum(_inputs(r, rows * hidden, dtype).float().view(rows, hidden) for r in (0, 1))
+                residual, weight = (t.float() for t in _norm_inputs(rows, hidden, dtype))
+                h = x + residual
+                expected = weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+                assert np.allclose(summed, h.numpy(), rtol=tol, atol=tol), (dtype, rows)
+                assert np.allclose(normed, expected.numpy(), rtol=tol, atol=tol), (dtype, rows)
     finally:
         for seg in owned:
             seg.close()

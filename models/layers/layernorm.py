@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from models.layers.fused import fused_kernels_enabled
+from models.layers.parallel import all_reduce, all_reduce_add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +22,18 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, reduce: bool = False):
+        """`reduce`: x is a row-parallel layer's partial product (tensor parallelism), to be summed
+        over the ranks first; where the fast all-reduce offers it, the sum, the residual add and the
+        norm are one kernel."""
+        if reduce:
+            if residual is not None:
+                shape = x.shape
+                fused = all_reduce_add_rms_norm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]),
+                                                self.weight, self.eps)
+                if fused is not None:
+                    return fused[0].view(shape), fused[1].view(shape)
+            x = all_reduce(x)
         if fused_kernels_enabled():
             import kernels
 

@@ -112,9 +112,14 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * size, size)
         _copy(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the partial products are summed.
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False` leaves the sum over the ranks to the caller (the RMSNorm that follows can
+        fold it into its kernel): this rank's partial product, for a layer without bias."""
         y = _linear(x, self.weight)
         if self.tp_size > 1:
-            y = all_reduce(y)
+            if reduce:
+                y = all_reduce(y)
+            elif self.bias is not None:
+                raise ValueError("a row-parallel layer with a bias must sum its output itself")
+        # The bias is added once, after the partial products are summed.
         return y + self.bias if self.bias is not None else y

@@ -28,6 +28,8 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def set_fast_all_reduce(fn: Callable[[torch.Tensor], torch.Tensor | None] | None) -> None:
+    """`fn` may also offer `add_rms_norm(x, residual, weight, eps)`: the sum, residual add and RMSNorm
+    in one go (all_reduce_add_rms_norm)."""
     global _fast_all_reduce
     _fast_all_reduce = fn
 
@@ -40,3 +42,11 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
             return out
     dist.all_reduce(x)
     return x
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(sum(x) + residual) * weight, sum(x) + residual) in one kernel, if the installed fast
+    all-reduce offers it for this tensor; None: the caller sums with all_reduce and norms itself."""
+    fused = getattr(_fast_all_reduce, "add_rms_norm", None)
+    return None if fused is None else fused(x, residual, weight, eps)
