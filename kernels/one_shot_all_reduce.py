@@ -17,6 +17,9 @@ is posted with compare-and-swap 0 -> 1 and consumed with 1 -> 0: a rank that run
 the post until its previous flag has been consumed, so back-to-back calls (as a CUDA graph replays
 them) cannot lose one. torch's own one-shot kernel does the same with at most 24 blocks, which
 leaves the NVLink reads short of SMs (BENCHMARKS.md: 21 us for 2 MiB against a ~5 us floor).
+
+`one_shot_all_reduce_rms_norm` runs the same protocol row by row and then does what the decoder layer
+does next to the sum (kernels/rmsnorm.py's residual add and RMSNorm, same roundings), in the same kernel.
 """
 
 from __future__ import annotations
