@@ -68,10 +68,14 @@ class SymmMemAllReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)
         self.op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x fits the buffer: this dtype, at most its size, contiguous, on the GPU."""
+        return x.dtype == self.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous() and x.is_cuda
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        n = x.numel()
-        if x.dtype != self.dtype or n > self.buffer.numel() or not x.is_contiguous() or not x.is_cuda:
+        if not self.takes(x):
             return None
+        n = x.numel()
         out = torch.empty_like(x)
         # Copies x into this rank's buffer, waits for every rank's copy, sums all the buffers into out.
         self.op(self.buffer[:n], x.view(-1), "sum", self.group_name, out.view(-1))
@@ -103,7 +107,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         from kernels.one_shot_all_reduce import one_shot_all_reduce
 
-        if x.dtype != self.dtype or x.numel() > self.buffer.numel() or not x.is_contiguous() or not x.is_cuda:
+        if not self.takes(x):
             return None
         return one_shot_all_reduce(x, torch.empty_like(x), self.buffers, self.pads, self.rank, self.world_size)
 
@@ -113,8 +117,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
         over the ranks in one kernel: (normed, new residual), or None for a tensor it does not take."""
         from kernels.one_shot_all_reduce import one_shot_all_reduce_rms_norm
 
-        if (x.dtype != self.dtype or x.dim() != 2 or x.numel() > self.buffer.numel() or not x.is_cuda
-                or not x.is_contiguous() or not residual.is_contiguous() or residual.dtype != x.dtype):
+        if not self.takes(x) or x.dim() != 2 or not residual.is_contiguous() or residual.dtype != x.dtype:
             return None
         return one_shot_all_reduce_rms_norm(x, residual, weight, eps, self.buffers, self.pads, self.rank,
                                             self.world_size)
