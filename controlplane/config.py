@@ -21,7 +21,7 @@ class EngineConfig:
     num_kvcache_blocks: int = 0  # set by hand: overrides the memory profile; 0 sizes the cache from memory
     gpu_memory_utilization: float = 0.9  # share of GPU memory the data plane may use in all
     cpu_kvcache_gib: float = 2.0  # KV cache budget on a CPU data plane
-    enforce_eager: bool = False  # no CUDA graphs, no torch.compile
+    enforce_eager: bool = False  # no decode CUDA graphs (torch.compile is not used at all: BENCHMARKS.md)
     attention_backend: str = "auto"  # "torch", "triton", "flash-attn" or "auto"
     seed: int = 0  # seeds the shared sampling generator of rank 0
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
