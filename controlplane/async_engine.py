@@ -37,6 +37,19 @@ log = logging.getLogger(__name__)
 # When a step schedules nothing although requests are queued (they wait for blocks), sleep this
 # long before trying again instead of spinning; new commands still wake the loop at once.
 IDLE_RETRY_S = 0.005
+# A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
+# after its per-try timeout, a client reconnecting) can get here before the cancelled call's handler
+# has run its cleanup: wait this long for the id to come free before answering ALREADY_EXISTS.
+REQUEST_ID_GRACE_S = 0.25
+
+
+async def wait_for_free_id(streams: dict, request_id: str) -> None:
+    """Return once no running request uses request_id; RequestIdInUse after REQUEST_ID_GRACE_S."""
+    deadline = time.monotonic() + REQUEST_ID_GRACE_S
+    while request_id in streams:
+        if time.monotonic() >= deadline:
+            raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
+        await asyncio.sleep(0.01)
 
 
 @dataclass(slots=True)
@@ -166,8 +179,9 @@ class AsyncEngine:
         if not self._ready:
             raise DataPlaneUnavailable(self.unavailable_message())
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
+        await wait_for_free_id(self._streams, request_id)
+        if not self._ready:  # it may have gone down while we waited
+            raise DataPlaneUnavailable(self.unavailable_message())
         token_ids = list(token_ids)
         self.engine.validate(token_ids, params)  # safe off the engine thread: it reads fixed sizes only
         stream = Stream(request_id, token_ids, params)

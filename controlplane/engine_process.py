@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from controlplane.async_engine import AsyncEngine, EngineStatus, Output, Stream, read_stream
+from controlplane.async_engine import AsyncEngine, EngineStatus, Output, Stream, read_stream, wait_for_free_id
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine, validate_request
-from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
+from controlplane.errors import DataPlaneUnavailable
 from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
 from proto.plane import PlaneInfo
@@ -223,20 +223,20 @@ class EngineClient:
         """As AsyncEngine.generate."""
         if self._reader is None:
             raise RuntimeError("EngineClient.start() was not called")
+        request_id = request_id or uuid.uuid4().hex
+        await wait_for_free_id(self._streams, request_id)
         facts = self._facts
         if not self._ready or facts is None:
             raise DataPlaneUnavailable(self.unavailable_message())
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
         token_ids = list(token_ids)
         facts.validate(token_ids, params)
         stream, key = Stream(request_id, token_ids, params), next(self._keys)
         self._newest_key = key
         self._streams[request_id], self._by_key[key], self._key_of[stream] = stream, stream, key
-        self._send(("add", key, token_ids, params))
         finished = False
         try:
+            # In the try: if the send fails (the engine process just died), the id and key are released.
+            self._send(("add", key, token_ids, params))
             async for item in read_stream(stream):
                 finished = item.finished
                 yield item

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from proto.plane import SamplingSpec
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (see is_greedy)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -44,12 +46,14 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        # Below GREEDY_BELOW, logits / temperature overflows float32 (inf - inf: NaN probabilities,
+        # and argmax then returns token 0 every step); such a temperature is greedy in all but name.
+        return self.temperature < GREEDY_BELOW
 
     def to_spec(self) -> SamplingSpec:
         """The part of the parameters the data plane's sampler needs."""
         return SamplingSpec(
-            temperature=float(self.temperature),
+            temperature=0.0 if self.is_greedy else float(self.temperature),
             top_k=max(self.top_k, 0),
             top_p=float(self.top_p),
             min_p=float(self.min_p),

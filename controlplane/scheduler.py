@@ -174,7 +174,7 @@ class Scheduler:
                 continue  # a prefill chunk that stopped before the last prompt token
             produced.append((seq, token_id))
             params = seq.params
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in seq.stop_ids:
                 self.finish(seq, FinishReason.STOP)
             elif seq.num_completion_tokens >= params.max_tokens:
                 self.finish(seq, FinishReason.LENGTH)

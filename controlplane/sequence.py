@@ -41,6 +41,7 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.params = params
+        self.stop_ids = frozenset(params.stop_token_ids)  # checked against every new token: a set, not a list
         self.block_size = block_size
         self.block_table: list[int] = []
         self.num_computed_tokens = 0

@@ -33,6 +33,23 @@ from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+# Bounds on what one request may ask of the event loop that serves every stream (each stop string
+# is matched against the text at every message, on the event loop).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_REQUEST_ID_CHARS = 256  # echoed in every message and in error details (metadata is capped at 8-16 KiB)
+# Clients and meshes commonly send HTTP/2 keepalive pings every 10-30 s; gRPC's default policy
+# answers a ping more frequent than every 5 min with GOAWAY too_many_pings, which ends every stream
+# on the connection. Server pings, in turn, find peers that vanished without closing the connection.
+DEFAULT_SERVER_OPTIONS: list[tuple[str, object]] = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ("grpc.http2.max_ping_strikes", 0),  # 0: never GOAWAY a client for pinging
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 30000),
+    ("grpc.keepalive_timeout_ms", 10000),
+]
+
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
                   FinishReason.ABORT: pb.FINISH_REASON_ABORT}
@@ -63,6 +80,13 @@ def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, list[str
         raise NotImplementedError("logprobs is not implemented yet; leave it unset")
     if any(not s for s in sp.stop):
         raise ValueError("invalid sampling parameter stop: stop strings must not be empty")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"invalid sampling parameter stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids "
+                         f"(got {len(sp.stop_token_ids)})")
+    if len(sp.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in sp.stop):
+        raise ValueError(f"invalid sampling parameter stop: at most {MAX_STOP_STRINGS} stop strings of at most "
+                         f"{MAX_STOP_STRING_CHARS} characters each (got {len(sp.stop)}, the longest "
+                         f"{max(map(len, sp.stop))} characters)")
     kwargs: dict = dict(top_k=sp.top_k, min_p=_f32(sp.min_p), ignore_eos=sp.ignore_eos,
                         stop_token_ids=list(sp.stop_token_ids))
     for name in ("temperature", "top_p"):
@@ -79,37 +103,55 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # No token covers more characters than its vocabulary entry has (byte-level entries spell
+        # one character per byte), so a text longer than max_model_len times this cannot fit. Four
+        # times that, for normalizers that compose characters (NFC: a letter and its accents, one).
+        self._max_prompt_chars_per_token = 4 * max(map(len, tokenizer.hf.get_vocab()), default=1)
 
-    def _chat(self, chat: pb.ChatMessages) -> tuple[str, list[int]]:
+    def _check_text_length(self, n_chars: int) -> None:
+        """Refuse text that cannot fit before spending seconds of CPU tokenizing it."""
+        facts = self.engine.engine
+        if facts is not None and n_chars > facts.max_model_len * self._max_prompt_chars_per_token:
+            raise ValueError(f"the prompt ({n_chars} characters) is longer than max_model_len "
+                             f"{facts.max_model_len} tokens can hold")
+
+    async def _chat(self, chat: pb.ChatMessages) -> tuple[str, list[int]]:
         if not chat.messages:
             raise ValueError("messages is empty: give at least one message")
         for i, m in enumerate(chat.messages):
             if not m.role:
                 raise ValueError(f"message {i} has no role (e.g. 'user')")
+        self._check_text_length(sum(len(m.content) for m in chat.messages))
         try:
-            return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages])
+            # Off the event loop: tokenizing a long prompt takes seconds, and every stream waits on the loop.
+            return await asyncio.to_thread(self.tokenizer.encode_chat,
+                                           [{"role": m.role, "content": m.content} for m in chat.messages])
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise ValueError("the request has no prompt: set one of text, token_ids or messages")
         if kind == "text":
             if not request.text:
                 raise ValueError("the prompt text is empty")
-            return self.tokenizer.encode(request.text)
+            self._check_text_length(len(request.text))
+            return await asyncio.to_thread(self.tokenizer.encode, request.text)
         if kind == "token_ids":
             return list(request.token_ids.ids)
-        return self._chat(request.messages)[1]
+        return (await self._chat(request.messages))[1]
 
     def _usage(self, out: Output) -> pb.Usage:
         return pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_completion_tokens,
                         cached_prompt_tokens=out.num_cached_tokens)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
-        token_ids = self._prompt_ids(request)
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id is {len(request.request_id)} characters long; at most "
+                             f"{MAX_REQUEST_ID_CHARS} are allowed")
         params, stops = sampling_from_proto(request.sampling)
+        token_ids = await self._prompt_ids(request)
         request_id = request.request_id or uuid.uuid4().hex
         text = TextStream(self.tokenizer, token_ids, stops)
         first = True
@@ -133,9 +175,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         kind = request.WhichOneof("input")
         if kind == "messages":
-            text, ids = self._chat(request.messages)
+            text, ids = await self._chat(request.messages)
         else:
-            text, ids = request.text, self.tokenizer.encode(request.text) if request.text else []
+            ids = await asyncio.to_thread(self.tokenizer.encode, request.text) if request.text else []
+            text = request.text
         return pb.TokenizeResponse(token_ids=ids, text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
@@ -165,7 +208,7 @@ class GenerationServer:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.address = address
-        self.options = options or []
+        self.options = DEFAULT_SERVER_OPTIONS + (options or [])
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0

@@ -57,6 +57,16 @@ def test_bad_prompts_raise_and_leave_others_untouched(llm, tiny_models, prompt, 
     assert llm.generate([good], greedy, use_tqdm=False)[0]["token_ids"] == expected
 
 
+def test_a_tiny_positive_temperature_is_greedy(llm, tiny_models):
+    # Dividing the logits by 1e-30 overflows float32: the sampler would see NaN probabilities and
+    # return token 0 every step. Below 1e-5 the engine samples greedily instead.
+    assert SamplingParams(temperature=1e-30).to_spec().temperature == 0.0
+    assert SamplingParams(temperature=1e-5).to_spec().temperature == pytest.approx(1e-5)
+    good = [5, 6, 7, 8]
+    tiny = llm.generate([good], SamplingParams(temperature=1e-30, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert tiny[0]["token_ids"] == hf_greedy(tiny_models["qwen3"], good, 6)
+
+
 def test_kv_cache_smaller_than_one_request(tiny_models):
     llm = LLM(str(tiny_models["qwen3"]), device="cpu", num_kvcache_blocks=2, kvcache_block_size=16)
     try:

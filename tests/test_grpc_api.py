@@ -14,8 +14,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tiny_models import make_tiny_model
 
 from clients import AsyncClient, Client
+from controlplane.async_engine import REQUEST_ID_GRACE_S, wait_for_free_id
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
+from controlplane.errors import RequestIdInUse
 from controlplane.llm import LLM
 from controlplane.sampling_params import SamplingParams
 from controlplane.server import SERVICE, build_server
@@ -189,6 +191,12 @@ def test_cancel_and_deadline_free_blocks(client):
     (dict(text="hi", sampling=pb.SamplingParams(seed=2**63)), "seed"),
     (dict(text="hi", sampling=pb.SamplingParams(stop=["ok", ""])), "stop"),
     (dict(text="hi", sampling=pb.SamplingParams(repetition_penalty=0)), "repetition_penalty"),
+    (dict(text="hi", sampling=pb.SamplingParams(stop=["s"] * 65)), "at most 64 stop strings"),
+    (dict(text="hi", sampling=pb.SamplingParams(stop=["s" * 1025])), "at most 1024 characters"),
+    (dict(text="hi", sampling=pb.SamplingParams(stop_token_ids=[1] * 1025)), "stop_token_ids"),
+    (dict(text="hi", request_id="r" * 257), "request_id"),
+    # Refused on its length alone, before seconds of tokenizing on the loop every stream shares.
+    (dict(text="x" * 1_000_000), "characters) is longer than max_model_len"),
 ])
 def test_invalid_requests(stub, request_kwargs, message):
     err = rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(**request_kwargs))))
@@ -207,7 +215,9 @@ def test_unimplemented_parameters_are_refused(stub, field, value):
     assert field in err.details()
 
 
-def test_duplicate_request_id(client):
+def test_duplicate_request_id(client, monkeypatch):
+    # No grace for a cancelled holder of the id: the first stream (200 tokens) may end within it.
+    monkeypatch.setattr("controlplane.async_engine.REQUEST_ID_GRACE_S", 0.0)
     first = client.generate(PROMPTS[0], request_id="dup", max_tokens=200, ignore_eos=True)
     assert next(first).request_id == "dup"
     err = rpc_error(lambda: list(client.generate(PROMPTS[1], request_id="dup", max_tokens=4)))
@@ -215,6 +225,68 @@ def test_duplicate_request_id(client):
     first.close()
     wait_idle(client)
     assert {c.request_id for c in client.generate(PROMPTS[1], request_id="dup", max_tokens=2)} == {"dup"}
+
+
+def test_a_cancelled_calls_request_id_is_free_for_its_retry(client):
+    # What a mesh does after a per-try timeout: cancel, then send again at once with the same id.
+    # The new call may arrive before the cancelled one's handler has let go of the id.
+    for i in range(10):
+        first = client.generate(PROMPTS[0], request_id=f"retry{i}", max_tokens=200, ignore_eos=True)
+        next(first)
+        first.close()
+        retry = list(client.generate(PROMPTS[1], request_id=f"retry{i}", max_tokens=2, ignore_eos=True))
+        assert {c.request_id for c in retry} == {f"retry{i}"} and retry[-1].finish_reason == "length"
+    wait_idle(client)
+
+
+def test_a_request_id_waits_out_its_grace_then_is_refused():
+    async def run():
+        streams = {"held": object(), "freed": object()}
+        asyncio.get_running_loop().call_later(0.05, streams.pop, "freed")
+        start = time.monotonic()
+        await wait_for_free_id(streams, "freed")  # let go of within the grace: taken
+        freed = time.monotonic() - start
+        with pytest.raises(RequestIdInUse, match="held"):
+            await wait_for_free_id(streams, "held")
+        return freed, time.monotonic() - start - freed
+
+    freed, refused = asyncio.run(run())
+    assert 0.04 < freed < REQUEST_ID_GRACE_S and REQUEST_ID_GRACE_S - 0.01 < refused < REQUEST_ID_GRACE_S + 0.2
+
+
+def test_a_huge_prompt_does_not_stall_the_event_loop(server, client):
+    """Tokenizing runs off the event loop that serves every stream: while a long text (under the
+    length bound, so it is tokenized) is being tokenized, other calls are still answered."""
+    text = "lorem ipsum dolor sit amet " * 40_000  # ~1 MB: about a second of tokenizing here
+    with grpc.insecure_channel(server.address) as channel:
+        start = time.monotonic()
+        call = pb_grpc.GenerationStub(channel).Tokenize.future(pb.TokenizeRequest(text=text))
+        waits = []
+        while not call.done():
+            t = time.monotonic()
+            client.server_status()  # answered on the event loop
+            waits.append(time.monotonic() - t)
+        took = time.monotonic() - start
+        assert len(call.result().token_ids) > MAX_LEN
+    assert len(waits) > 3 and max(waits) < 0.25, f"a status call waited {max(waits):.2f} s of {took:.2f} s"
+
+
+def test_client_keepalive_pings_keep_the_connection(server):
+    """Clients and meshes ping every few seconds; gRPC's default server policy answers pings more
+    frequent than every 5 minutes with GOAWAY too_many_pings, which ends every stream on the
+    connection. The server accepts them."""
+    options = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0)]
+    states: list[grpc.ChannelConnectivity] = []
+    with grpc.insecure_channel(server.address, options=options) as channel:
+        channel.subscribe(states.append, try_to_connect=True)
+        grpc.channel_ready_future(channel).result(timeout=10)
+        time.sleep(5)  # ~5 pings; the default policy sends GOAWAY after the third
+        stub = pb_grpc.GenerationStub(channel)
+        assert stub.GetServerStatus(pb.GetServerStatusRequest(), timeout=10).data_plane_ready
+        channel.unsubscribe(states.append)
+    ready = states.index(grpc.ChannelConnectivity.READY)
+    assert states[ready:] == [grpc.ChannelConnectivity.READY], f"the connection was dropped: {states}"
 
 
 def test_stop_strings_and_stop_tokens(client):
