@@ -252,6 +252,10 @@ class AsyncEngine:
             self._inbox.append(command)
             self._cond.notify()
 
+    @property
+    def unready_reason(self) -> str:
+        return self._unready_reason or "not started"
+
     def unavailable_message(self) -> str:
         return f"the data plane is not available ({self._unready_reason or 'not started'}); retry later"
 

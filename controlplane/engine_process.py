@@ -102,7 +102,7 @@ def _unpack(request_id: str, packed: tuple) -> Output:
 
 def _engine_main(config: EngineConfig, data_plane_address: str, commands_address: str, events_address: str,
                  eos_token_ids: tuple[int, ...], recover_interval_s: float, attach_timeout_s: float) -> None:
-    from controlplane.remote import RemoteDataPlane
+    from controlplane.remote import EXIT_RESTART, RemoteDataPlane
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
@@ -135,9 +135,11 @@ def _engine_main(config: EngineConfig, data_plane_address: str, commands_address
 
     core = AsyncEngine(None, attach, recover_interval_s, deliver=deliver,
                        on_status=lambda status: events.send_pyobj(("status", status)))
+    # The bare reason: EngineClient.unavailable_message() wraps it in "the data plane is not available (...)".
     core.add_ready_listener(lambda ready: events.send_pyobj(
-        ("ready", ready, EngineFacts.of(core.engine) if ready else None, core.unavailable_message())))
+        ("ready", ready, EngineFacts.of(core.engine) if ready else None, core.unready_reason)))
     core.start()
+    orderly = False  # a "stop" from the serving process; otherwise it died and the data plane must restart
     try:
         while True:
             if not commands.poll(500):
@@ -159,8 +161,11 @@ def _engine_main(config: EngineConfig, data_plane_address: str, commands_address
             elif msg[0] == "ready":
                 core.set_data_plane_ready(msg[1], msg[2])
             elif msg[0] == "stop":
+                orderly = True
                 break
     finally:
+        if not orderly:  # the serving process died: no planned stop, so the data plane must come back
+            data_plane.close(exit_code=EXIT_RESTART)  # before core.shutdown, whose engine.close() says 0
         core.shutdown()  # open streams end with UNAVAILABLE; their outputs still go out
         data_plane.close()
         events.close()
@@ -343,6 +348,7 @@ class EngineClient:
 
     def _replace(self, process: mp.process.BaseProcess) -> None:
         """The engine process died: fail what it held, then start another (its data plane re-attaches)."""
+        process.join(1.0)  # its sentinel fired: reap it, so that exitcode is known
         reason = f"the engine process exited with code {process.exitcode}"
         log.error("%s; starting a new one", reason)
         self._status = EngineStatus(0, 0, 0, 0, False)

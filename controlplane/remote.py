@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 EXIT_RESTART = 75  # the exit code a shut-down rank uses when its data plane should be restarted
 EXIT_CONFIG = 2  # a launch this control plane can never use (wrong world size): restarting will not help
+DEFAULT_STEP_TIMEOUT_S = 120.0  # NANOPLANE_STEP_TIMEOUT overrides it; keep it above the slowest legitimate step
 
 log = logging.getLogger("nanoplane.remote")
 
@@ -60,9 +62,15 @@ class _Launch:
 
 class RemoteDataPlane:
     def __init__(self, address: str, world_size: int | None = None, *, heartbeat_timeout: float = 2.5,
-                 step_timeout: float = 120.0, start_timeout: float = 600.0, pending_timeout: float = 60.0):
+                 step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0):
         """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any."""
         self.world_size = world_size
+        if step_timeout is None:  # a rank that beats but never answers (a hung GPU) is caught only by this
+            raw = os.environ.get("NANOPLANE_STEP_TIMEOUT", str(DEFAULT_STEP_TIMEOUT_S))
+            try:
+                step_timeout = float(raw)
+            except ValueError:
+                raise ValueError(f"NANOPLANE_STEP_TIMEOUT must be a number of seconds, got {raw!r}") from None
         self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
         self.start_timeout, self.pending_timeout = start_timeout, pending_timeout
         self._ctx = zmq.Context()
@@ -80,6 +88,7 @@ class RemoteDataPlane:
         self._failure = "no data plane attached yet"
         self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
         self._next_epoch = 1
+        self._ignored, self._ignored_logged_at = 0, 0.0  # malformed messages not logged yet, and when we last did
         self._closed = False
         # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
         # do the same work themselves while they hold the lock.
@@ -157,13 +166,16 @@ class RemoteDataPlane:
                     pass
                 now = time.monotonic()
                 if now >= next_check:
-                    self._check(now)
+                    # Drain what is queued first: after a stall of this process (SIGSTOP, swap, a long
+                    # GC) the ranks' heartbeats are waiting in the socket, and their age is ours.
+                    self._pump(0)
+                    self._check(time.monotonic())
                     next_check = now + 0.1
                 if now >= deadline:
                     self._fail(f"step {step_id} got no result within {self.step_timeout:.0f}s")
 
-    def close(self, stop_data_plane: bool = True) -> None:
-        """Release the socket; with stop_data_plane the ranks are told to exit 0 (no restart).
+    def close(self, stop_data_plane: bool = True, exit_code: int = 0) -> None:
+        """Release the socket; with stop_data_plane the ranks are told to exit with exit_code (0: no restart).
 
         Without it they are left alone and exit by their control_timeout, as after a control-plane crash."""
         with self._lock:
@@ -172,7 +184,8 @@ class RemoteDataPlane:
             self._closed = True
             if stop_data_plane:
                 for launch in list(self._launches.values()):
-                    self._retire(launch, 0, "the control plane stopped")
+                    self._retire(launch, exit_code, "the control plane stopped" if exit_code == 0
+                                 else "the control plane went away; restart to re-attach")
             self._attached = None
             self._failure = "the data-plane client is closed"
             self._sock.close(linger=1000 if stop_data_plane else 0)
@@ -211,7 +224,12 @@ class RemoteDataPlane:
         try:
             msg = codec.decode(frames)
         except codec.ProtocolError as e:
-            log.warning("ignored a message from peer %s: %s", ident.hex(), e)
+            # Rate-limited: anything that can reach the port can send these, thousands a second.
+            self._ignored += 1
+            if now - self._ignored_logged_at >= 1.0:
+                log.warning("ignored %d malformed message(s) in %.0fs; the latest from peer %s: %s", self._ignored,
+                            now - self._ignored_logged_at if self._ignored_logged_at else 0, ident.hex(), e)
+                self._ignored, self._ignored_logged_at = 0, now
             return
         if isinstance(msg, codec.Result):  # first: the hot path
             launch, step_id = self._attached, msg.result.step_id

@@ -208,6 +208,47 @@ def launchers():
             p.wait()
 
 
+def test_a_stall_of_the_control_plane_is_not_taken_for_the_ranks_silence():
+    """This process stops for longer than the heartbeat timeout (SIGSTOP, swap) while it waits for a
+    result: the rank's heartbeats queued meanwhile count before its silence is judged."""
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=10)
+    try:
+        fake = FakeRank(client.address, launch_id=21)
+        client.start(timeout=5)
+        handle, stalled = client._handle, []
+
+        def stall_once(ident, frames, now):  # the first message collect() reads, on the main thread
+            if not stalled and threading.current_thread() is threading.main_thread():
+                stalled.append(True)
+                time.sleep(2.0)
+            handle(ident, frames, now)
+
+        client._handle = stall_once
+        client.submit(decode_step(0, fake.epoch))
+        assert codec.decode(fake.data.recv_multipart()).step_id == 0
+        threading.Timer(2.5, fake.answer, args=(0, [3])).start()
+        assert client.collect(0).sampled_token_ids.tolist() == [3] and stalled and client.ready
+        fake.close()
+    finally:
+        client.close(stop_data_plane=False)
+
+
+def test_malformed_messages_are_logged_at_most_once_a_second(caplog):
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1)
+    junk = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
+    try:
+        junk.connect(client.address)
+        for _ in range(500):
+            junk.send_multipart([b"GET / HTTP/1.1"])
+        time.sleep(0.5)  # the watcher thread reads them while idle
+        lines = [r for r in caplog.records if r.name == "nanoplane.remote" and r.levelname == "WARNING"]
+        # The first is logged at once; the rest are counted into the next line, a second later.
+        assert len(lines) == 1, [r.getMessage() for r in lines][:3]
+    finally:
+        junk.close(0)
+        client.close(stop_data_plane=False)
+
+
 def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, tmp_path, launchers):
     client = RemoteDataPlane(f"ipc://{tmp_path}/control", world_size=1)
     try:

@@ -130,7 +130,8 @@ def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, em
 
 
 def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded_tokens, tmp_path, monkeypatch):
-    """The planes apart: the API is up at once, NOT_SERVING and UNAVAILABLE until ranks attach."""
+    """The planes apart: the API is up at once, NOT_SERVING and UNAVAILABLE until ranks attach; when
+    the control plane is killed, the data plane exits asking to be restarted."""
     monkeypatch.setenv("NANOPLANE_ENGINE_PROCESS", "1")  # the default layout, whatever this shell says
     model, port, bind = tiny_models["qwen3"], free_port(), f"ipc://{tmp_path}/plane.sock"
     control = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "controlplane", "--model", str(model),
@@ -161,6 +162,10 @@ def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded
         got = [t for chunk in client.generate(prompts()[0], temperature=0.0, max_tokens=16, ignore_eos=True)
                for t in chunk.token_ids]
         assert got == embedded_tokens[0]
+        # The serving process dies (an OOM kill): its engine process retires the data plane with 75,
+        # "restart me", not 0, which a supervisor that restarts on failure would leave down.
+        control.kill()
+        assert data.wait(30) == 75
     finally:
         client.close()
         for proc in (control, data):
