@@ -257,7 +257,7 @@ class AsyncEngine:
         return self._unready_reason or "not started"
 
     def unavailable_message(self) -> str:
-        return f"the data plane is not available ({self._unready_reason or 'not started'}); retry later"
+        return f"the data plane is not available ({self.unready_reason}); retry later"
 
     def _recover_wait_s(self) -> float | None:
         """Seconds until the next recovery attempt is due; None when none is to be made."""

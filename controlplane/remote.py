@@ -166,10 +166,7 @@ class RemoteDataPlane:
                     pass
                 now = time.monotonic()
                 if now >= next_check:
-                    # Drain what is queued first: after a stall of this process (SIGSTOP, swap, a long
-                    # GC) the ranks' heartbeats are waiting in the socket, and their age is ours.
-                    self._pump(0)
-                    self._check(time.monotonic())
+                    self._refresh()
                     next_check = now + 0.1
                 if now >= deadline:
                     self._fail(f"step {step_id} got no result within {self.step_timeout:.0f}s")
@@ -200,10 +197,15 @@ class RemoteDataPlane:
             if self._lock.acquire(blocking=False):
                 try:
                     if not self._closed:
-                        self._pump(0)
-                        self._check(time.monotonic())
+                        self._refresh()
                 finally:
                     self._lock.release()
+
+    def _refresh(self) -> None:
+        """Read what is queued, then judge the ranks' liveness. In that order: after a stall of this
+        process (SIGSTOP, swap, a long GC) the ranks' heartbeats wait in the socket, and their age is ours."""
+        self._pump(0)
+        self._check(time.monotonic())
 
     def _pump(self, timeout_s: float) -> None:
         """Handle every message that arrives within timeout_s (and those already queued)."""
