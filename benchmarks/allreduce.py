@@ -90,7 +90,7 @@ def worker(rank: int, port: int) -> None:
               "Triton one-shot, then RMSNorm (graph) | fused (graph) | floor us |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for rows, nbytes, *cells in rows_out:
-            times = " | ".join(f"{c:.1f}" for c in cells)
+            times = " | ".join(f"{c:.1f}" if c == c else "over buffer" for c in cells)  # NaN: not taken
             print(f"| {rows} | {nbytes:,} | {times} | {nbytes / NVLINK * 1e6:.1f} |")
     dist.destroy_process_group()
 

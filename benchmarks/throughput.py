@@ -299,8 +299,10 @@ def main() -> None:
           "| peak GPU GiB | peak RSS GiB |")
     tok_s = total / elapsed
     mode = f"embedded {args.shape} TP={args.tensor_parallel_size}"
-    if args.tensor_parallel_size > 1 and os.environ.get("NANOPLANE_ALLREDUCE"):
-        mode += f" {os.environ['NANOPLANE_ALLREDUCE']}"
+    if args.tensor_parallel_size > 1:  # the all-reduce rank 0 installed, which may be NCCL after a fallback
+        from models.layers import parallel
+
+        mode += f" {getattr(parallel._fast_all_reduce, 'name', 'nccl')}"
     print(f"| {mode} | {total} | {elapsed:.2f} | {tok_s:,.0f} | "
           f"{floor_cells(args.shape, args.tensor_parallel_size, tok_s)} | {kv_tokens:,} | {peak_gpu:.1f} | {rss:.1f} |")
     llm.close()

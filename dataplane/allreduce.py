@@ -7,11 +7,12 @@ input into a buffer every rank can address (torch symmetric memory), meets the o
 device-side barrier and has each rank read and add all the buffers itself: one kernel, no ring
 steps, capturable in a CUDA graph. Larger tensors (prefill) stay with NCCL.
 
-Two kernels, both opt-in: `NANOPLANE_ALLREDUCE=symm_mem` is torch's (at most 24 blocks; 2% more
-tokens/s for Qwen3-8B on two H200s), `NANOPLANE_ALLREDUCE=triton` is kernels/one_shot_all_reduce.py
-(a program per SM: 15 us for 2 MiB against torch's 22 and NCCL's 32; 4% more tokens/s, 14,611 against
-14,024, measured at 88c97fb, before its peer reads were vectorized; BENCHMARKS.md). Opt-in because
-the ranks' set-up is a rendezvous that a rank failing inside it could leave its peer waiting in.
+Two kernels: `NANOPLANE_ALLREDUCE=triton`, the default, is kernels/one_shot_all_reduce.py (a program
+per SM: 15 us for 2 MiB against torch's 22 and NCCL's 31; 6.6% more tokens/s for Qwen3-8B on two H200s,
+14,963-15,011 against NCCL's 14,039-14,067 in alternated runs, BENCHMARKS.md); `symm_mem` is torch's
+(at most 24 blocks, 2% more than NCCL); `nccl` turns both off. When the buffers cannot be set up on
+every rank, every rank uses NCCL (set_up_everywhere); a rank that dies inside the rendezvous itself
+leaves its peer waiting there, which the control plane's start timeout and heartbeats end.
 Neither uses NVLink multicast (the multimem operations): both read peers with plain loads. The
 Triton one also offers `add_rms_norm`: the sum, the residual add and the RMSNorm that follows a
 row-parallel layer in one kernel (models/layers/layernorm.py calls it through parallel.py).
@@ -28,6 +29,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 ENV = "NANOPLANE_ALLREDUCE"
+DEFAULT = "triton"
 # Measured on two NV18-linked H200s (`benchmarks/allreduce.py`, BENCHMARKS.md): in a CUDA graph the
 # one-shot kernel beats NCCL up to 2 MiB (21 vs 31 us), ties at 4 MiB and loses at 8 MiB (62 vs 49).
 # Decode sums are at most max_num_seqs x hidden x 2 bytes (256 x 4096 x 2 = 2 MiB for Qwen3-8B).
@@ -39,6 +41,8 @@ _first_group: list[dist.ProcessGroup | None] = [None]
 
 class SymmMemAllReduce:
     """Sums tensors of up to `max_bytes` in one kernel over peer memory; returns None for the rest."""
+
+    name = "symm_mem"  # its NANOPLANE_ALLREDUCE value
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES,
                  group: dist.ProcessGroup | None = None, meet: bool = True):
@@ -86,6 +90,8 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
     """The same buffers, summed by kernels/one_shot_all_reduce.py: 128 programs read the peers (torch's
     kernel stops at 24 blocks), and the kernel copies x in itself."""
 
+    name = "triton"
+
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -127,14 +133,21 @@ CHOICES = {"symm_mem": SymmMemAllReduce, "triton": TritonOneShotAllReduce}
 
 
 def make_fast_all_reduce(device: torch.device, dtype: torch.dtype, world_size: int) -> SymmMemAllReduce | None:
-    """The all-reduce `NANOPLANE_ALLREDUCE` asks for: None (NCCL) unless it names one of CHOICES and
-    this is a CUDA tensor-parallel run where symmetric memory can be set up."""
-    choice = os.environ.get(ENV, "nccl")
-    if choice != "nccl" and choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}: expected 'nccl', " + " or ".join(repr(c) for c in CHOICES))
+    """The all-reduce `NANOPLANE_ALLREDUCE` asks for (the Triton one unless it says otherwise): None
+    (NCCL) for 'nccl', for a run that is not tensor-parallel on CUDA, or where symmetric memory cannot
+    be set up on every rank."""
+    choice = chosen()
     if choice == "nccl" or world_size < 2 or device.type != "cuda":
         return None
     return set_up_everywhere(lambda: CHOICES[choice](device, dtype, meet=False), device)
+
+
+def chosen() -> str:
+    """`NANOPLANE_ALLREDUCE`, checked: 'nccl' or one of CHOICES (DEFAULT when unset or empty)."""
+    choice = os.environ.get(ENV) or DEFAULT
+    if choice != "nccl" and choice not in CHOICES:
+        raise ValueError(f"{ENV}={choice!r}: expected 'nccl', " + " or ".join(repr(c) for c in CHOICES))
+    return choice
 
 
 def set_up_everywhere(make, device: torch.device):
