@@ -3,12 +3,16 @@
 A decode step must read the weights once and every running request's KV cache: at batch B and
 context C that is (weight bytes + B * C * KV bytes per token) / 4.24 TB/s on one H200.
 
-    python benchmarks/decode_latency.py [--model-dir /tmp/nanoplane-qwen3-0.6b-random]
+    python benchmarks/decode_latency.py [--shape 8b] [--tensor-parallel-size 2] [--host-profile]
+
+With tensor parallelism the floor counts one rank's share of the weights and KV cache. `--host-profile`
+lists rank 0's host time by operator over the one-stream decode steps (torch profiler, CPU only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -17,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput import make_random_model  # noqa: E402
+from throughput import SHAPES, make_random_model  # noqa: E402
 
 BANDWIDTH = 4.24e12  # bytes/s, H200 device copy (read + write), design.md
 
@@ -47,18 +51,21 @@ def step_times(llm, batch: int, context: int, steps: int) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model-dir", default="/tmp/nanoplane-qwen3-0.6b-random")
+    p.add_argument("--model-dir", default="", help="default: /tmp/nanoplane-qwen3-<shape>-random")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--host-profile", action="store_true")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
-    path = Path(args.model_dir)
+    path = Path(args.model_dir or f"/tmp/nanoplane-qwen3-{args.shape}-random")
     if not (path / "model.safetensors").is_file():
-        make_random_model(path)
+        make_random_model(path, args.shape)
 
     from controlplane import LLM, SamplingParams
 
-    llm = LLM(str(path), max_model_len=4096)
-    runner = llm.engine.data_plane.runner
+    llm = LLM(str(path), max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
+    runner = llm.engine.data_plane.runner  # rank 0: its shard of the weights and of the KV heads
     # parameters() yields a tied embedding once; it is read once per step too
     weight_bytes = sum(t.numel() * t.element_size() for t in runner.model.parameters())
     cache = runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
@@ -82,14 +89,25 @@ def main() -> None:
         pass
     ttft = time.perf_counter() - t
     stamps = []
-    while engine.has_work():
-        t = time.perf_counter()
-        engine.step()
-        stamps.append(time.perf_counter() - t)
+    profiler = host_profiler() if args.host_profile else contextlib.nullcontext()
+    with profiler:
+        while engine.has_work():
+            t = time.perf_counter()
+            engine.step()
+            stamps.append(time.perf_counter() - t)
     itl = sorted(stamps)[len(stamps) // 2] * 1e3
-    print(f"| one stream, 512-token prompt | TTFT {ttft * 1e3:.1f} ms | inter-token {itl:.2f} ms (median) | "
-          f"floor {weight_bytes / BANDWIDTH * 1e3:.2f} ms |")
+    if args.host_profile:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(f"| one stream, 512-token prompt, TP={args.tensor_parallel_size} | TTFT {ttft * 1e3:.1f} ms | "
+          f"inter-token {itl:.2f} ms (median) | floor {weight_bytes / BANDWIDTH * 1e3:.2f} ms |")
     llm.close()
+
+
+def host_profiler():
+    """This process's host time by operator (rank 0 runs here; other ranks are not profiled)."""
+    import torch
+
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
 
 if __name__ == "__main__":
