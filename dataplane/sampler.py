@@ -18,10 +18,14 @@ reproducible whatever shares its batch.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+
+# "0": the torch path for every row, "1": the fused kernel wherever it applies; unset: fused on CUDA.
+FUSED_ENV = "NANOPLANE_FUSED_SAMPLER"
 
 
 class Sampler:
@@ -31,6 +35,8 @@ class Sampler:
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(seed)
+        if fused is None and os.environ.get(FUSED_ENV) in ("0", "1"):
+            fused = os.environ[FUSED_ENV] == "1"  # 1 on a CPU: the kernel in Triton's interpreter (tests)
         if fused is None:
             fused = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.fused = fused
@@ -106,18 +112,26 @@ class Sampler:
         self.draws += n
         return keys, offsets
 
-    def warmup(self, vocab_size: int, max_rows: int, dtype: torch.dtype) -> None:
+    def warmup(self, vocab_size: int, max_rows: int, dtype: torch.dtype, whole: bool = True,
+               vocab_slice: tuple[int, int] | None = None) -> None:
         """Compile the fused kernel's variants (tile size, split or not) for every batch size now, not
-        during the first steps that meet them; with triton's disk cache this is quick after the first run."""
+        during the first steps that meet them; with triton's disk cache this is quick after the first run.
+        `whole`: for whole rows (kernels.sample); `vocab_slice`: (start, width) for a tensor-parallel
+        rank's slice (kernels.sample_partial)."""
         if not self.fused or self.device.type != "cuda":
             return
         import kernels
 
-        logits = torch.zeros(max_rows, vocab_size, dtype=dtype, device=self.device)
         t = torch.ones(max_rows, device=self.device)
         zeros = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
+        # Logits of the runtime's row strides: Triton specializes a kernel on them.
+        rows_of = torch.zeros(max_rows, vocab_size, dtype=dtype, device=self.device) if whole else None
+        slices = torch.zeros(max_rows, vocab_slice[1], dtype=dtype, device=self.device) if vocab_slice else None
         for rows in range(1, max_rows + 1):
-            kernels.sample(logits[:rows], t[:rows], zeros[:rows], zeros[:rows])
+            if rows_of is not None:
+                kernels.sample(rows_of[:rows], t[:rows], zeros[:rows], zeros[:rows])
+            if slices is not None:
+                kernels.sample_partial(slices[:rows], vocab_slice[0], vocab_size, t[:rows], zeros[:rows], zeros[:rows])
         torch.cuda.synchronize(self.device)
 
     def generator(self, seed: int) -> torch.Generator:

@@ -10,11 +10,13 @@ import importlib.util
 
 __all__ = [
     "apply_rotary",
+    "combine_partials",
     "paged_decode_attention",
     "paged_prefill_attention",
     "qkv_prologue",
     "rms_norm",
     "sample",
+    "sample_partial",
     "silu_and_mul",
     "skinny_gemm",
     "store_kvcache",
@@ -27,7 +29,7 @@ if importlib.util.find_spec("triton") is not None:
     from kernels.qkv_prologue import qkv_prologue
     from kernels.rmsnorm import rms_norm
     from kernels.rotary import apply_rotary
-    from kernels.sampling import sample
+    from kernels.sampling import combine_partials, sample, sample_partial
     from kernels.skinny_gemm import skinny_gemm
     from kernels.store_kvcache import store_kvcache
 else:

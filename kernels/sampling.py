@@ -12,6 +12,11 @@ columns, which matters: at 10 rounds per call the integer work, not the read of 
 bound the kernel. A row's draw depends only on (seed, offset, logits, T), never on the other rows
 of the batch. NaN logits never win (torch.argmax would pick them); a row with nothing above -inf
 gives 0, as torch.argmax does.
+
+With the vocabulary split over tensor-parallel ranks, `sample_partial` scans one rank's slice of
+the columns with the same noise per column and returns each row's best (score, column); the ranks
+exchange those pairs and `combine_partials` picks the same token `sample` would pick from the whole
+row: the logits are never gathered.
 """
 
 import torch
@@ -40,11 +45,12 @@ def _gumbel(u):
 
 
 @triton.jit
-def _update(row_ptr, i, live, q: tl.constexpr, VQ, V, t, u, best, best_idx, NOISE: tl.constexpr):
+def _update(row_ptr, i, live, q: tl.constexpr, VQ, LO, HI, t, u, best, best_idx, NOISE: tl.constexpr):
     # Within one lane and quarter the columns only grow, so a strict > keeps the lowest index of a tie.
+    # row_ptr holds columns [LO, HI) of the row (the whole row: LO = 0, HI = V).
     col = q * VQ + i
-    mask = live & (col < V)
-    x = tl.load(row_ptr + col, mask=mask, other=float("-inf")).to(tl.float32)
+    mask = live & (col >= LO) & (col < HI)
+    x = tl.load(row_ptr + (col - LO), mask=mask, other=float("-inf")).to(tl.float32)
     if NOISE:
         x = x + t * _gumbel(u)
     take = x > best
@@ -52,7 +58,7 @@ def _update(row_ptr, i, live, q: tl.constexpr, VQ, V, t, u, best, best_idx, NOIS
 
 
 @triton.jit
-def _scan(row_ptr, seed, base, start, stop, VQ, V, t, BLOCK: tl.constexpr, NOISE: tl.constexpr):
+def _scan(row_ptr, seed, base, start, stop, VQ, LO, HI, t, BLOCK: tl.constexpr, NOISE: tl.constexpr):
     """(max score, lowest column reaching it) over quarter indices [start, stop) of one row."""
     lanes = tl.arange(0, BLOCK)
     b0 = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -66,10 +72,10 @@ def _scan(row_ptr, seed, base, start, stop, VQ, V, t, BLOCK: tl.constexpr, NOISE
             u0, u1, u2, u3 = _uniforms4(seed, base + i)
         else:
             u0, u1, u2, u3 = t, t, t, t  # unused
-        b0, i0 = _update(row_ptr, i, live, 0, VQ, V, t, u0, b0, i0, NOISE)
-        b1, i1 = _update(row_ptr, i, live, 1, VQ, V, t, u1, b1, i1, NOISE)
-        b2, i2 = _update(row_ptr, i, live, 2, VQ, V, t, u2, b2, i2, NOISE)
-        b3, i3 = _update(row_ptr, i, live, 3, VQ, V, t, u3, b3, i3, NOISE)
+        b0, i0 = _update(row_ptr, i, live, 0, VQ, LO, HI, t, u0, b0, i0, NOISE)
+        b1, i1 = _update(row_ptr, i, live, 1, VQ, LO, HI, t, u1, b1, i1, NOISE)
+        b2, i2 = _update(row_ptr, i, live, 2, VQ, LO, HI, t, u2, b2, i2, NOISE)
+        b3, i3 = _update(row_ptr, i, live, 3, VQ, LO, HI, t, u3, b3, i3, NOISE)
     best = tl.maximum(tl.maximum(tl.max(b0, 0), tl.max(b1, 0)), tl.maximum(tl.max(b2, 0), tl.max(b3, 0)))
     idx = tl.minimum(
         tl.minimum(tl.min(tl.where(b0 == best, i0, _NONE), 0), tl.min(tl.where(b1 == best, i1, _NONE), 0)),
@@ -81,10 +87,11 @@ def _scan(row_ptr, seed, base, start, stop, VQ, V, t, BLOCK: tl.constexpr, NOISE
 @triton.jit
 def _sample_kernel(
     logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, out_ptr, part_val_ptr, part_idx_ptr,
-    stride_row, V, VQ, SPAN,
+    stride_row, VQ, SPAN, LO, HI,
     BLOCK: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One program per (row, split): split s covers quarter indices [s * SPAN, (s + 1) * SPAN)."""
+    """One program per (row, split): split s covers quarter indices [s * SPAN, (s + 1) * SPAN), of
+    which it reads the columns in [LO, HI)."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -95,9 +102,9 @@ def _sample_kernel(
     if t > 0:
         seed = tl.load(seeds_ptr + row)
         base = tl.load(offsets_ptr + row) * VQ
-        best, idx = _scan(row_ptr, seed, base, start, stop, VQ, V, t, BLOCK, True)
+        best, idx = _scan(row_ptr, seed, base, start, stop, VQ, LO, HI, t, BLOCK, True)
     else:
-        best, idx = _scan(row_ptr, 0, 0, start, stop, VQ, V, t, BLOCK, False)
+        best, idx = _scan(row_ptr, 0, 0, start, stop, VQ, LO, HI, t, BLOCK, False)
     if SPLIT:
         tl.store(part_val_ptr + row * tl.num_programs(1) + split, best)
         tl.store(part_idx_ptr + row * tl.num_programs(1) + split, idx)
@@ -107,7 +114,10 @@ def _sample_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(part_val_ptr, part_idx_ptr, out_ptr, NUM_SPLITS, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _reduce_splits_kernel(part_val_ptr, part_idx_ptr, out_ptr, best_ptr, NUM_SPLITS, BLOCK: tl.constexpr,
+                          PARTIAL: tl.constexpr, USE_PDL: tl.constexpr):
+    """The row's (best score, lowest column reaching it) over its splits: the token id into out, or
+    with PARTIAL the score into best_ptr and the column (_NONE if none) into out as int32."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK)
@@ -116,7 +126,11 @@ def _reduce_splits_kernel(part_val_ptr, part_idx_ptr, out_ptr, NUM_SPLITS, BLOCK
     idx = tl.load(part_idx_ptr + row * NUM_SPLITS + s, mask=mask, other=_NONE)
     best = tl.max(val, 0)
     first = tl.min(tl.where(val == best, idx, _NONE), 0)
-    tl.store(out_ptr + row, tl.where(first == _NONE, 0, first).to(tl.int64))
+    if PARTIAL:
+        tl.store(best_ptr + row, best)
+        tl.store(out_ptr + row, first)
+    else:
+        tl.store(out_ptr + row, tl.where(first == _NONE, 0, first).to(tl.int64))
 
 
 @triton.jit
@@ -170,13 +184,53 @@ def sample(
     row) tune the launch; by default a batch of few rows spreads each row over several programs so
     that a single row still fills the GPU. Nothing here reads the device from the host.
     """
+    out, _ = _launch(logits, 0, logits.shape[-1] if logits.dim() else 0, temperature, seeds, offsets, block,
+                     num_splits, partial=False)
+    return out
+
+
+def sample_partial(
+    logits: torch.Tensor, start: int, vocab_size: int, temperature: torch.Tensor, seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`'s scan over one slice of the vocabulary: logits [R, n] are columns [start, start + n)
+    of rows of `vocab_size` columns (columns at or past vocab_size, a rank's padding, are skipped).
+
+    Returns each row's best score (fp32 [R]; logit plus T times its Gumbel noise) and the lowest
+    column reaching it (int32 [R], 2**31 - 1 where no column scored above -inf): combine_partials
+    turns the slices' pairs into the ids `sample` gives for the whole rows.
+    """
+    stop = min(start + logits.shape[-1], vocab_size) if logits.dim() == 2 else start
+    idx, best = _launch(logits, start, stop, temperature, seeds, offsets, None, None, partial=True,
+                        vocab_size=vocab_size)
+    return best, idx
+
+
+def combine_partials(best: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Token ids (int64 [R]) from the slices' sample_partial results stacked as [S, R]: the highest
+    score, the lowest column among equal scores, 0 for a row where no slice saw a column."""
+    top = best.max(dim=0, keepdim=True).values
+    none = torch.iinfo(torch.int32).max
+    first = torch.where(best == top, idx, none).min(dim=0).values
+    return torch.where(first == none, 0, first).to(torch.int64)
+
+
+def _launch(logits, lo, hi, temperature, seeds, offsets, block, num_splits, partial, vocab_size=None):
+    """(ids int64 [R], None), or with `partial` (columns int32 [R], scores fp32 [R]); the logits hold
+    columns [lo, hi) of rows of vocab_size (default hi) columns."""
     assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be [R, V] with unit-stride rows"
     assert logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
+    vocab = hi if vocab_size is None else vocab_size
+    assert 0 <= lo <= hi <= vocab and hi - lo <= logits.shape[1]
     _check(temperature, seeds, offsets, rows, logits.device)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0 or vocab == 0:
-        return out.zero_()
+    if partial:
+        out = torch.full((rows,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=logits.device)
+        best = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+    else:
+        out, best = torch.empty(rows, dtype=torch.int64, device=logits.device), None
+    if rows == 0 or hi == lo:
+        return (out, best) if partial else (out.zero_(), None)
     quarter = triton.cdiv(vocab, 4)
     sms = _sm_count(logits.device)
     if block is None:
@@ -190,7 +244,7 @@ def sample(
     num_splits = max(1, min(num_splits, tiles))
     span = triton.cdiv(tiles, num_splits) * block
     num_splits = triton.cdiv(quarter, span)  # no split left without columns
-    split = num_splits > 1
+    split = num_splits > 1 or partial
     if split:
         part_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
         part_idx = torch.empty(rows, num_splits, dtype=torch.int32, device=logits.device)
@@ -198,14 +252,15 @@ def sample(
         part_val, part_idx = out, out  # placeholders: SPLIT=False compiles them away
     _sample_kernel[(rows, num_splits)](
         logits, temperature, seeds, offsets, out, part_val, part_idx,
-        logits.stride(0), vocab, quarter, span,
+        logits.stride(0), quarter, span, lo, hi,
         BLOCK=block, SPLIT=split, num_warps=min(8, max(1, block // 128)),
         **pdl_args(logits.device),
     )
     if split:
-        _reduce_splits_kernel[(rows,)](part_val, part_idx, out, num_splits, BLOCK=triton.next_power_of_2(num_splits),
+        _reduce_splits_kernel[(rows,)](part_val, part_idx, out, part_val if best is None else best, num_splits,
+                                        BLOCK=triton.next_power_of_2(num_splits), PARTIAL=partial,
                                         **pdl_args(logits.device))
-    return out
+    return out, best
 
 
 def sampling_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -132,9 +132,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits of the given hidden states; None on ranks other than 0 under tensor parallelism."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+        """Logits of the given hidden states; None on ranks other than 0 under tensor parallelism.
+        With gather=False, every rank's own slice of the vocabulary (ParallelLMHead)."""
+        return self.lm_head(hidden, gather)
 
 
 def _rope(config) -> tuple[float, dict | None]:

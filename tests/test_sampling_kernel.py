@@ -17,8 +17,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from kernels import combine_partials, sample, sample_partial  # noqa: E402
 from kernels import reference as ref  # noqa: E402
-from kernels import sample  # noqa: E402
 from kernels.sampling import sampling_uniforms  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -178,6 +178,46 @@ def test_empty_batch_and_argument_checks():
         sample(logits, torch.ones(2, device=DEV), *(x.int() for x in streams(2)))  # int32 seeds
     with pytest.raises(AssertionError):
         sample(logits.t(), torch.ones(10, device=DEV), *streams(10))  # column-major
+
+
+def sliced(logits: torch.Tensor, temperature, seeds, offsets, ranks: int) -> torch.Tensor:
+    """What tensor-parallel ranks draw: each scans its slice of the vocabulary (padded up to a multiple
+    of `ranks`, as the LM head pads it, with +inf in the padding, which must never be drawn), then
+    the slices' best (score, column) pairs are combined."""
+    rows, vocab = logits.shape
+    per = -(-vocab // ranks)
+    padded = torch.full((rows, per * ranks), float("inf"), device=DEV).to(logits.dtype)
+    padded[:, :vocab] = logits
+    parts = [sample_partial(padded[:, r * per:(r + 1) * per].contiguous(), r * per, vocab, temperature, seeds, offsets)
+             for r in range(ranks)]
+    best = torch.stack([b for b, _ in parts])
+    idx = torch.stack([i for _, i in parts])
+    assert best.dtype == torch.float32 and idx.dtype == torch.int32 and best.shape == (ranks, rows)
+    return combine_partials(best, idx)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_vocabulary_slices_draw_what_the_whole_row_draws(ranks):
+    rows, vocab = 5, 301  # not a multiple of 4 (the noise's quarters) nor of the ranks
+    logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
+    logits[0, :] = float("-inf")  # nothing finite: 0
+    logits[1] = torch.randint(-2, 3, (vocab,), device=DEV).to(torch.bfloat16)  # ties across slices: the first
+    temperature = torch.tensor([1.0, 0.0, 0.8, 0.0, 2.0], device=DEV)
+    seeds, offsets = streams(rows)
+    whole = sample(logits, temperature, seeds, offsets)
+    assert torch.equal(sliced(logits, temperature, seeds, offsets, ranks), whole)
+    assert whole[0] == 0 and whole[1] == logits[1].float().argmax()
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 256])
+def test_real_shape_slices_draw_what_the_whole_row_draws(rows):
+    vocab = 151936
+    logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
+    temperature = torch.rand(rows, device=DEV) * 1.5
+    temperature[::3] = 0.0
+    seeds, offsets = streams(rows)
+    assert torch.equal(sliced(logits, temperature, seeds, offsets, 2), sample(logits, temperature, seeds, offsets))
 
 
 @gpu

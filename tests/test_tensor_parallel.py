@@ -30,6 +30,31 @@ def test_tp2_greedy_matches_transformers(tiny_models, name):
         assert out["token_ids"] == hf_greedy(path, prompt, params.max_tokens)
 
 
+def test_tp2_draws_from_vocabulary_slices_as_one_rank_draws_whole_rows(tiny_models, monkeypatch):
+    """With the fused sampler each rank draws from its slice of the vocabulary and the ranks swap
+    their best (score, column) pairs (ModelRunner._sample_slices): the same greedy tokens as
+    transformers, and seeded draws equal to one rank's draws from whole rows (the kernel under
+    Triton's interpreter here; the logits of the two layouts differ only by float rounding)."""
+    path = tiny_models["qwen3"]
+    monkeypatch.setenv("NANOPLANE_FUSED_SAMPLER", "1")  # the spawned rank inherits it
+    rng = random.Random(22)
+    prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (3, 40)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True) for s in (7, 8)]
+    runs = {}
+    for tp in (1, 2):
+        llm = LLM(str(path), device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=64)
+        try:
+            assert llm.engine.data_plane.runner.sampler.fused
+            runs[tp] = (llm.generate(prompts, greedy, use_tqdm=False), llm.generate(prompts, seeded, use_tqdm=False))
+        finally:
+            llm.close()
+    for prompt, out in zip(prompts, runs[2][0], strict=True):
+        assert out["token_ids"] == hf_greedy(path, prompt, greedy.max_tokens)
+    assert [o["token_ids"] for o in runs[2][1]] == [o["token_ids"] for o in runs[1][1]]
+    assert [o["token_ids"] for o in runs[2][1]] != [o["token_ids"] for o in runs[2][0]]  # it did draw
+
+
 def test_tp_size_must_divide_heads(tiny_models):
     # 4 query heads and 2 kv heads cannot be split over 3 ranks
     with pytest.raises(Exception, match="divisible"):

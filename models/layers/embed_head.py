@@ -42,10 +42,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over the vocabulary; gathered whole on rank 0 only (the only rank that samples)."""
+    """Logits over the vocabulary: gathered whole on rank 0 only (the only rank that samples them
+    whole), or each rank's own slice of columns for a sampler that draws from the slices
+    (kernels.sample_partial)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor | None:
+        """Logits [.., V] (None on other ranks); with gather=False this rank's columns
+        [vocab_start, vocab_start + per_partition), padding included, on every rank."""
         logits = F.linear(x, self.weight)
+        if not gather:
+            return logits
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
             dist.gather(logits, parts, dst=0)
