@@ -8,8 +8,8 @@ has a fixed shape (BENCHMARKS.md, step anatomy):
   rank the LM head, so its output is the logits;
 - two tail graphs (single rank): greedy (argmax) or the fused sampler for rows without filters,
   each writing the sampled ids into the token buffer (the next step's inputs) and into an int32
-  buffer the host copies back. Steps with top-k/top-p/min-p rows, and tensor-parallel steps,
-  sample eagerly from the graph's output instead.
+  buffer the host copies back. Steps with top-k/top-p/min-p rows sample eagerly from the graph's
+  output instead, and so do tensor-parallel steps (the LM head too: ModelRunner._head_and_sample).
 
 Inputs land in static buffers with one host-to-device copy per dtype, laid out per bucket so that
 each copy is contiguous. Padding rows read the token buffer's spare row, write the spare column,

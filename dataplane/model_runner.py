@@ -1,8 +1,10 @@
-"""One data-plane rank: the model, its KV cache, the persistent batch state and (rank 0) the sampler.
+"""One data-plane rank: the model, its KV cache, the persistent batch state and the sampler.
 
 It obeys descriptors and holds no scheduling policy: each `execute` applies a descriptor's deltas,
-builds the attention context, runs the model, samples on rank 0 and shares the sampled ids with the
-other ranks so that every rank holds the next input tokens on its device.
+builds the attention context, runs the model and samples, so that every rank holds the next input
+tokens on its device; rank 0 returns them. Under tensor parallelism each rank draws from its slice of
+the vocabulary and the ranks swap their best candidates (`_sample_slices`); steps with top-k, top-p
+or min-p rows gather the logits to rank 0, which samples and broadcasts the ids.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class ModelRunner:
         if self.cfg.enforce_eager or self.device.type != "cuda" or self.backend == "torch":
             return None
         # On a single rank the graphs also hold the LM head and the sampling tail; with tensor
-        # parallelism the logits are gathered to rank 0 and the ids broadcast outside them.
+        # parallelism the head and the sampling run outside them (_head_and_sample).
         single = self.world_size == 1
         sample = None
         if single and self.sampler.fused:

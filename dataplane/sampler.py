@@ -1,9 +1,11 @@
-"""Rank 0's sampler: greedy, temperature, top-k, top-p and min-p, with per-request seeds.
+"""The sampler: greedy, temperature, top-k, top-p and min-p, with per-request seeds.
 
 Two paths, each an exact draw from softmax(logits / T):
 
-- fused (kernels.sample; on CUDA by default): one Triton pass over the raw logits, argmax of the
-  logits plus Gumbel noise, for every row without top-k/top-p/min-p. A row's noise is a function
+- fused (kernels.sample; on CUDA by default, `NANOPLANE_FUSED_SAMPLER=0|1` to choose): one Triton
+  pass over the raw logits, argmax of the logits plus Gumbel noise, for every row without
+  top-k/top-p/min-p (under tensor parallelism every rank scans its slice of the vocabulary:
+  ModelRunner._sample_slices). A row's noise is a function
   of its key and offset: a seeded request's are its seed and the position of the token it draws,
   so its tokens depend neither on the batch nor on a preemption (a recomputed request draws each
   position again with the same noise); unseeded rows take the shared seed and a draw counter.

@@ -210,6 +210,7 @@ def test_vocabulary_slices_draw_what_the_whole_row_draws(ranks):
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 256])
 def test_real_shape_slices_draw_what_the_whole_row_draws(rows):
     vocab = 151936
@@ -221,6 +222,7 @@ def test_real_shape_slices_draw_what_the_whole_row_draws(rows):
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 256, 512])
 def test_real_shape_matches_reference(rows):
     vocab = 151936
