@@ -30,7 +30,6 @@ import os
 import pickle
 import shutil
 import signal
-import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from controlplane import runtime_dir
 from controlplane.async_engine import AsyncEngine, EngineStatus, Output, Stream, read_stream, wait_for_free_id
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine, validate_request
@@ -182,7 +182,7 @@ class EngineClient:
     def __init__(self, config: EngineConfig, data_plane_address: str, eos_token_ids: tuple[int, ...],
                  recover_interval_s: float = 1.0, attach_timeout_s: float = 2.0):
         self._args = (config, data_plane_address, eos_token_ids, recover_interval_s, attach_timeout_s)
-        self._dir = tempfile.mkdtemp(prefix="nanoplane-engine-")
+        self._dir = runtime_dir.make("engine-")
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.SNDHWM, 0)  # a burst of requests must not look like a dead engine

@@ -13,14 +13,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
+from controlplane import runtime_dir
 from controlplane.config import EngineConfig
 from controlplane.engine_process import build_process_server, engine_process_enabled
 from controlplane.remote import RemoteDataPlane
@@ -142,7 +143,7 @@ def dataplane_argv(config: EngineConfig, control: str) -> list[str]:
 def run_serve(config: EngineConfig, address: str, bind: str | None = None) -> int:
     """Both planes on this host: the control plane here, the data plane in a supervised child."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s serve %(levelname)s %(message)s")
-    tmp = tempfile.mkdtemp(prefix="nanoplane-")
+    tmp = runtime_dir.make()
     bind = bind or f"ipc://{tmp}/plane.sock"
     # With the engine in its own process, that process binds the data plane's socket.
     data_plane = None if engine_process_enabled() else RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
@@ -154,8 +155,5 @@ def run_serve(config: EngineConfig, address: str, bind: str | None = None) -> in
         supervisor.stop()
         if data_plane is not None:
             data_plane.close()
-        with contextlib.suppress(OSError):
-            for name in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, name))
-            os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
