@@ -303,7 +303,10 @@ class AsyncEngine:
         try:
             out = self.engine.step(on_queued=lambda: self._hand_over(deliveries))
         except Exception as exc:
-            log.exception("engine step failed; marking the data plane unavailable")
+            if isinstance(exc, DataPlaneUnavailable):  # a rank died or went silent: its message says it all
+                log.warning("engine step failed, the data plane is unavailable: %s", exc)
+            else:  # a bug: keep the traceback
+                log.exception("engine step failed; marking the data plane unavailable")
             self._set_unready(f"data plane failed: {type(exc).__name__}: {exc}", deliveries)
             return True
         for seq, token in out.produced:

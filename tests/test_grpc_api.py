@@ -17,7 +17,7 @@ from clients import AsyncClient, Client
 from controlplane.async_engine import REQUEST_ID_GRACE_S, wait_for_free_id
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
-from controlplane.errors import RequestIdInUse
+from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
 from controlplane.llm import LLM
 from controlplane.sampling_params import SamplingParams
 from controlplane.server import SERVICE, build_server
@@ -35,6 +35,7 @@ class FlakyDataPlane:
 
     def __init__(self, inner: LocalDataPlane):
         self.inner, self.fail = inner, False
+        self.error: type[Exception] = ConnectionError
 
     def start(self):
         return self.inner.start()
@@ -42,7 +43,7 @@ class FlakyDataPlane:
     def execute(self, desc):
         result = self.inner.execute(desc)  # the rank computed the step; only the answer is lost
         if self.fail:
-            raise ConnectionError("rank 0 stopped answering")
+            raise self.error("rank 0 stopped answering")
         return result
 
     def close(self):
@@ -356,8 +357,10 @@ def wait_health(client: Client, want: str, timeout: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def test_data_plane_failure_and_recovery(model):
+@pytest.mark.parametrize("error", [ConnectionError, DataPlaneUnavailable])
+def test_data_plane_failure_and_recovery(model, error, caplog):
     s = ServerThread(model, flaky=True)
+    s.plane.error = error
     try:
         with Client(s.address) as c:
             stream = c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True)
@@ -365,6 +368,12 @@ def test_data_plane_failure_and_recovery(model):
             s.plane.fail = True
             err = rpc_error(lambda: list(stream))
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "rank 0 stopped answering" in err.details()
+            # A lost data plane is an operational event, logged in a line; anything else is a bug,
+            # logged with its traceback.
+            failed = [r for r in caplog.records if r.getMessage().startswith("engine step failed")]
+            assert failed, "the failed step was not logged"
+            want = ("WARNING", False) if error is DataPlaneUnavailable else ("ERROR", True)
+            assert [(r.levelname, r.exc_info is not None) for r in failed] == [want] * len(failed)
             err = rpc_error(lambda: list(c.generate(PROMPTS[1], max_tokens=4)))
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "not available" in err.details()
             status = c.server_status()
