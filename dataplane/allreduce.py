@@ -162,7 +162,7 @@ def set_up_everywhere(make, device: torch.device):
     if _everywhere(fast is not None, device):
         try:
             fast.meet()
-        except RuntimeError as e:
+        except (RuntimeError, ImportError) as e:  # ImportError: the Triton kernel without triton
             fast, error = None, str(e)
         if _everywhere(fast is not None, device):
             if _first_group[0] is None and hasattr(fast, "group"):

@@ -200,8 +200,11 @@ def sample_partial(
     column reaching it (int32 [R], 2**31 - 1 where no column scored above -inf): combine_partials
     turns the slices' pairs into the ids `sample` gives for the whole rows.
     """
-    stop = min(start + logits.shape[-1], vocab_size) if logits.dim() == 2 else start
-    idx, best = _launch(logits, start, stop, temperature, seeds, offsets, None, None, partial=True,
+    # A slice may lie wholly in the padding, even past the vocabulary (10 columns over 8 ranks: rank 7
+    # holds 14-15): it has no column to offer.
+    lo = min(start, vocab_size)
+    hi = max(lo, min(start + logits.shape[-1], vocab_size)) if logits.dim() == 2 else lo
+    idx, best = _launch(logits, lo, hi, temperature, seeds, offsets, None, None, partial=True,
                         vocab_size=vocab_size)
     return best, idx
 

@@ -63,6 +63,8 @@ def _set_up(rank: int, port: int, fail: str, queue) -> None:
         def meet(self):
             if fail == f"meet{rank}":
                 raise RuntimeError("no peer access")
+            if fail == f"import{rank}":
+                raise ImportError("No module named 'triton'")
             met.append(rank)
 
     def make():
@@ -77,10 +79,10 @@ def _set_up(rank: int, port: int, fail: str, queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fail", ["", "make1", "meet0"])
+@pytest.mark.parametrize("fail", ["", "make1", "meet0", "import0"])
 def test_ranks_agree_on_the_fast_path(fail):
     """A rank that fails to allocate keeps every rank out of the rendezvous; one that fails in it
-    sends every rank back to NCCL; no failure: every rank has the fast path."""
+    (or cannot import its kernel) sends every rank back to NCCL; no failure: every rank has the fast path."""
     ctx = torch.multiprocessing.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_set_up, args=(rank, port, fail, queue)) for rank in (0, 1)]

@@ -196,9 +196,11 @@ def sliced(logits: torch.Tensor, temperature, seeds, offsets, ranks: int) -> tor
     return combine_partials(best, idx)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_vocabulary_slices_draw_what_the_whole_row_draws(ranks):
-    rows, vocab = 5, 301  # not a multiple of 4 (the noise's quarters) nor of the ranks
+# 301: a multiple neither of 4 (the noise's quarters) nor of the ranks; 10 over 8 ranks: the last two
+# slices lie past the vocabulary, in padding only.
+@pytest.mark.parametrize("vocab,ranks", [(301, 2), (301, 3), (10, 8)])
+def test_vocabulary_slices_draw_what_the_whole_row_draws(vocab, ranks):
+    rows = 5
     logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
     logits[0, :] = float("-inf")  # nothing finite: 0
     logits[1] = torch.randint(-2, 3, (vocab,), device=DEV).to(torch.bfloat16)  # ties across slices: the first

@@ -41,18 +41,23 @@ def test_tp2_draws_from_vocabulary_slices_as_one_rank_draws_whole_rows(tiny_mode
     prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (3, 40)]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True) for s in (7, 8)]
+    # Unseeded rows draw from the shared stream's counter, which must advance alike on every rank,
+    # also over the steps whose top-k row sends the logits to rank 0 (the row ends after 2 tokens).
+    unseeded = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+                SamplingParams(temperature=1.0, top_k=5, max_tokens=2, ignore_eos=True)]
     runs = {}
     for tp in (1, 2):
         llm = LLM(str(path), device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=64)
         try:
             assert llm.engine.data_plane.runner.sampler.fused
-            runs[tp] = (llm.generate(prompts, greedy, use_tqdm=False), llm.generate(prompts, seeded, use_tqdm=False))
+            runs[tp] = [[o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+                        for params in (greedy, seeded, unseeded, unseeded)]
         finally:
             llm.close()
     for prompt, out in zip(prompts, runs[2][0], strict=True):
-        assert out["token_ids"] == hf_greedy(path, prompt, greedy.max_tokens)
-    assert [o["token_ids"] for o in runs[2][1]] == [o["token_ids"] for o in runs[1][1]]
-    assert [o["token_ids"] for o in runs[2][1]] != [o["token_ids"] for o in runs[2][0]]  # it did draw
+        assert out == hf_greedy(path, prompt, greedy.max_tokens)
+    assert runs[2][1:] == runs[1][1:]
+    assert runs[2][1] != runs[2][0] and runs[2][2] != runs[2][3]  # they did draw, and the stream moved on
 
 
 def test_tp_size_must_divide_heads(tiny_models):
