@@ -260,6 +260,12 @@ class RemoteDataPlane:
                 log.warning("ignored READY of an unknown or inconsistent rank: %s", msg.info)
             else:
                 r.data_ident, r.info, r.last_seen = ident, msg.info, now
+                attached = self._attached
+                if launch.complete() and attached is not None and attached is not launch:
+                    # Said once, when its last rank reports: an operator would otherwise see a ready
+                    # data plane that never gets a step.
+                    log.info("data plane of epoch %d is ready and stands by: epoch %d is attached; the standby "
+                             "takes over when the engine next restarts its data plane", launch.epoch, attached.epoch)
         else:
             log.warning("ignored an unexpected %s from peer %s", type(msg).__name__, ident.hex())
 

@@ -7,6 +7,7 @@ start `python -m dataplane.launcher` processes with a tiny model on the CPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -231,6 +232,28 @@ def test_a_stall_of_the_control_plane_is_not_taken_for_the_ranks_silence():
         fake.close()
     finally:
         client.close(stop_data_plane=False)
+
+
+def test_a_standby_data_plane_says_so_then_takes_over(caplog):
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=5)
+    first = second = None
+    try:
+        with caplog.at_level(logging.INFO, logger="nanoplane.remote"):
+            first = FakeRank(client.address, launch_id=21)
+            client.start(timeout=5)
+            second = FakeRank(client.address, launch_id=22)
+            deadline = time.monotonic() + 5
+            while not any("stands by" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the client's watcher thread reads the READY
+        said = [r.getMessage() for r in caplog.records if "stands by" in r.getMessage()]
+        assert said == [f"data plane of epoch {second.epoch} is ready and stands by: epoch {first.epoch} is "
+                        "attached; the standby takes over when the engine next restarts its data plane"]
+        assert [i.epoch for i in client.start(timeout=5)] == [second.epoch]  # the next restart takes it
+    finally:
+        client.close()
+        for fake in (first, second):
+            if fake is not None:
+                fake.close()
 
 
 def test_malformed_messages_are_logged_at_most_once_a_second(caplog):
