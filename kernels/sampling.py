@@ -227,13 +227,14 @@ def _launch(logits, lo, hi, temperature, seeds, offsets, block, num_splits, part
     vocab = hi if vocab_size is None else vocab_size
     assert 0 <= lo <= hi <= vocab and hi - lo <= logits.shape[1]
     _check(temperature, seeds, offsets, rows, logits.device)
-    if partial:
-        out = torch.full((rows,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=logits.device)
-        best = torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device)
-    else:
-        out, best = torch.empty(rows, dtype=torch.int64, device=logits.device), None
-    if rows == 0 or hi == lo:
-        return (out, best) if partial else (out.zero_(), None)
+    if rows == 0 or hi == lo:  # no column: no score, no column (partial), or id 0 as torch.argmax gives
+        if partial:
+            return (torch.full((rows,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=logits.device),
+                    torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device))
+        return torch.zeros(rows, dtype=torch.int64, device=logits.device), None
+    # Every row's outputs are written below (by the kernel, or by the reduce after a split).
+    out = torch.empty(rows, dtype=torch.int32 if partial else torch.int64, device=logits.device)
+    best = torch.empty(rows, dtype=torch.float32, device=logits.device) if partial else None
     quarter = triton.cdiv(vocab, 4)
     sms = _sm_count(logits.device)
     if block is None:

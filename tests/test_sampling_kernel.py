@@ -211,15 +211,20 @@ def test_vocabulary_slices_draw_what_the_whole_row_draws(vocab, ranks):
     assert whole[0] == 0 and whole[1] == logits[1].float().argmax()
 
 
+def real_shape_batch(rows: int, greedy_every: int) -> tuple[torch.Tensor, ...]:
+    """bf16 logits over Qwen3's vocabulary, temperatures up to 1.5 with every `greedy_every`-th row
+    greedy, and random streams: (logits, temperature, seeds, offsets)."""
+    logits = (torch.randn(rows, 151936, device=DEV) * 3).to(torch.bfloat16)
+    temperature = torch.rand(rows, device=DEV) * 1.5
+    temperature[::greedy_every] = 0.0
+    return (logits, temperature, *streams(rows))
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 256])
 def test_real_shape_slices_draw_what_the_whole_row_draws(rows):
-    vocab = 151936
-    logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
-    temperature = torch.rand(rows, device=DEV) * 1.5
-    temperature[::3] = 0.0
-    seeds, offsets = streams(rows)
+    logits, temperature, seeds, offsets = real_shape_batch(rows, greedy_every=3)
     assert torch.equal(sliced(logits, temperature, seeds, offsets, 2), sample(logits, temperature, seeds, offsets))
 
 
@@ -227,11 +232,7 @@ def test_real_shape_slices_draw_what_the_whole_row_draws(rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 7, 256, 512])
 def test_real_shape_matches_reference(rows):
-    vocab = 151936
-    logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
-    temperature = torch.rand(rows, device=DEV) * 1.5
-    temperature[::5] = 0.0
-    seeds, offsets = streams(rows)
+    logits, temperature, seeds, offsets = real_shape_batch(rows, greedy_every=5)
     ids = sample(logits, temperature, seeds, offsets)
     assert_reference_draws(ids, logits, temperature, seeds, offsets)
     greedy = temperature == 0
