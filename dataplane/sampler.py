@@ -37,8 +37,11 @@ class Sampler:
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(seed)
-        if fused is None and os.environ.get(FUSED_ENV) in ("0", "1"):
-            fused = os.environ[FUSED_ENV] == "1"  # 1 on a CPU: the kernel in Triton's interpreter (tests)
+        choice = os.environ.get(FUSED_ENV, "")
+        if choice not in ("", "0", "1"):
+            raise ValueError(f"{FUSED_ENV}={choice!r}: expected '0' (torch sampling) or '1' (the fused kernel)")
+        if fused is None and choice:
+            fused = choice == "1"  # 1 on a CPU: the kernel in Triton's interpreter (tests)
         if fused is None:
             fused = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.fused = fused

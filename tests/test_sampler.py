@@ -218,3 +218,16 @@ def test_engine_fused_seeded_request_survives_preemption(tiny_models):
         finally:
             llm.close()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("value, fused", [("0", False), ("1", True)])
+def test_fused_sampler_variable_chooses_the_path(monkeypatch, value, fused):
+    monkeypatch.setenv("NANOPLANE_FUSED_SAMPLER", value)
+    assert Sampler(torch.device("cpu")).fused is fused
+    assert Sampler(torch.device("cpu"), fused=not fused).fused is (not fused)  # the argument wins
+
+
+def test_fused_sampler_variable_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("NANOPLANE_FUSED_SAMPLER", "yes")
+    with pytest.raises(ValueError, match="NANOPLANE_FUSED_SAMPLER='yes'"):
+        Sampler(torch.device("cpu"))
