@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput import SHAPES, make_random_model  # noqa: E402
 
-BANDWIDTH = 4.24e12  # bytes/s, H200 device copy (read + write), design.md
+BANDWIDTH = 4.24e12  # bytes/s, H200 device copy (read + write), docs/design.md
 
 
 def step_times(llm, batch: int, context: int, steps: int) -> list[float]:

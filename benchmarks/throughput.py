@@ -3,7 +3,7 @@
 256 requests, random.seed(0), prompt lengths randint(100, 1024) of ids randint(0, 10000), then
 max_tokens randint(100, 1024) per request, temperature 0.6, ignore_eos — on random bf16 weights of the
 Qwen3-0.6B architecture (generated once into --model-dir), or Qwen3-8B's for the tensor-parallel run.
-Prints output tokens/s beside the card's floor (design.md: ~36,400 tok/s on one H200 for 0.6B;
+Prints output tokens/s beside the card's floor (docs/design.md: ~36,400 tok/s on one H200 for 0.6B;
 ~18,700-22,800 on two H200s for 8B at TP=2, all-reduce included).
 
     python benchmarks/throughput.py [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager] [--profile]
@@ -32,7 +32,7 @@ QWEN3_06B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_s
 QWEN3_8B = dict(QWEN3_06B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 tie_word_embeddings=False)
 SHAPES = {"0.6b": QWEN3_06B, "8b": QWEN3_8B}
-# design.md: the bytes this workload must move over the H200's 4.24 TB/s; for 8B on two cards the
+# docs/design.md: the bytes this workload must move over the H200's 4.24 TB/s; for 8B on two cards the
 # upper end of the range (the lower one charges the all-reduces too), so the ratio is not flattered.
 FLOORS = {("0.6b", 1): 36_400, ("8b", 2): 22_800}
 
@@ -152,7 +152,7 @@ def instrument(llm) -> dict[str, list[float]]:
     return timings
 
 
-BANDWIDTH, MATMUL = 4.24e12, 787e12  # bytes/s and bf16 FLOP/s of one H200 (design.md)
+BANDWIDTH, MATMUL = 4.24e12, 787e12  # bytes/s and bf16 FLOP/s of one H200 (docs/design.md)
 BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 256))
 
 

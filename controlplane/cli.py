@@ -23,15 +23,18 @@ from collections.abc import Iterator
 DEFAULT_PORT = 50051
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Every engine option of `LLM`, as a flag."""
+def add_engine_arguments(p: argparse.ArgumentParser, scheduling_only: bool = False) -> None:
+    """Every engine option of `LLM`, as a flag; with `scheduling_only`, those the control plane alone
+    uses (the data plane's own flags belong on `nanoplane dataplane`)."""
     p.add_argument("--model", default=None, help="HuggingFace model folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
+    if scheduling_only:
+        return
+    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--kvcache-block-size", type=int, default=0, help="tokens per KV block (0: 256 on GPU, 16 on CPU)")
     p.add_argument("--num-kvcache-blocks", type=int, default=0, help="fix the KV cache size (0: from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -47,7 +50,8 @@ ENGINE_OPTIONS = ("device", "dtype", "tensor_parallel_size", "max_num_seqs", "ma
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    """The engine options the command has flags for; EngineConfig's defaults fill in the rest."""
+    return {name: getattr(args, name) for name in ENGINE_OPTIONS if hasattr(args, name)}
 
 
 def resolve_model(model: str | None) -> str:
@@ -200,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer one prompt: from a server (--server) or the embedded engine")
     g.add_argument("prompt")
-    g.add_argument("--server", default=None, help="HOST:PORT of a running nanoplane; streams the answer")
+    g.add_argument("--server", default=None,
+                   help="HOST:PORT of a running nanoplane; streams the answer (the engine flags then do not apply)")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -213,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, help_text in (("serve", cmd_serve, "both planes on this host (the data plane supervised)"),
                                   ("controlplane", cmd_controlplane, "the control plane alone")):
         s = sub.add_parser(name, help=help_text)
-        add_engine_arguments(s)
+        add_engine_arguments(s, scheduling_only=name == "controlplane")
         s.add_argument("--host", default="127.0.0.1" if name == "serve" else "0.0.0.0",
                        help="address of the gRPC API")
         s.add_argument("--port", type=int, default=DEFAULT_PORT)

@@ -130,7 +130,7 @@ def dataplane_argv(config: EngineConfig, control: str) -> list[str]:
             "--tensor-parallel-size", str(config.tensor_parallel_size), "--device", config.device,
             "--dtype", config.dtype, "--max-num-seqs", str(config.max_num_seqs),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-            "--max-model-len", str(config.max_model_len), "--block-size", str(config.kvcache_block_size),
+            "--max-model-len", str(config.max_model_len), "--kvcache-block-size", str(config.kvcache_block_size),
             "--num-kvcache-blocks", str(config.num_kvcache_blocks),
             "--gpu-memory-utilization", str(config.gpu_memory_utilization),
             "--cpu-kvcache-gib", str(config.cpu_kvcache_gib), "--attention-backend", config.attention_backend,

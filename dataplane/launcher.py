@@ -2,7 +2,7 @@
 
     python -m dataplane.launcher --model DIR --control tcp://HOST:PORT --tensor-parallel-size N
 
-(`nanoplane dataplane ...` in the project CLI, through `add_arguments` and `main`.) The ranks share
+(`nanoplane dataplane ...` in the project CLI, through `add_arguments` and `launch`.) The ranks share
 a random launch id, so the control plane groups them into one epoch. If any rank dies the launcher
 kills the others and exits with a non-zero code: a partial tensor-parallel group is useless, and a
 supervisor (systemd, Kubernetes) restarting the whole launcher is the recovery path. Exit code 0
@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name in _NOT_FLAGS:
             continue
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
+        if f.name == "block_size":  # the name `serve` and the embedded engine use comes first (and its
+            # NANOPLANE_KVCACHE_BLOCK_SIZE variable), so one setting reaches both planes
+            parser.add_argument("--kvcache-block-size", flag, dest=f.name, type=int, default=f.default,
+                                help="tokens per KV block (0: 256 on GPU, 16 on CPU)")
+        elif isinstance(f.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         elif f.name == "device":  # the real data plane is on GPUs; keep a CPU-only host working too
             parser.add_argument(flag, default="auto", help="auto, cpu, cuda (rank r on cuda:r) or cuda:N")

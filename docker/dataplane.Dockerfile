@@ -3,7 +3,7 @@
 #
 #   docker build -f docker/dataplane.Dockerfile -t nanoplane-dataplane .
 #   docker run --gpus all --shm-size 16g -v /srv/models:/models:ro nanoplane-dataplane \
-#       --model /models/Qwen3-0.6B --control tcp://controlplane-host:5555 --device cuda
+#       dataplane --model /models/Qwen3-0.6B --control tcp://controlplane-host:5555 --device cuda
 #
 # The CUDA "base" image only: torch's wheel brings its own CUDA libraries (cuBLAS, cuDNN, NCCL), so
 # a "runtime" image would ship them twice. The base image still sets what the NVIDIA container

@@ -1,4 +1,4 @@
-"""The planes stay apart in the code (design.md's import rules), and the control plane never loads torch."""
+"""The planes stay apart in the code (docs/design.md's import rules), and the control plane never loads torch."""
 
 from __future__ import annotations
 

@@ -1,0 +1,58 @@
+"""The `nanoplane` command's flags: each subcommand offers the flags it uses, and `serve` hands its
+data plane a command line that the data plane's own parser reads back to the same settings."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from controlplane.cli import build_parser, engine_config
+from controlplane.config import EngineConfig
+from controlplane.serve import dataplane_argv
+from dataplane.launcher import add_arguments
+
+
+def dataplane_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser
+
+
+def test_controlplane_refuses_flags_only_a_data_plane_reads(capsys):
+    for flag in (["--device", "cuda"], ["--enforce-eager"], ["--gpu-memory-utilization", "0.5"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["controlplane", *flag])
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_controlplane_config_takes_the_engine_defaults_for_the_rest(tiny_models):
+    args = build_parser().parse_args(["controlplane", "--model", str(tiny_models["qwen3"]), "--max-num-seqs", "8"])
+    config = engine_config(args)
+    assert config.max_num_seqs == 8 and config.device == "auto" and config.kvcache_block_size == 0
+
+
+def test_serve_hands_the_data_plane_every_setting(tiny_models):
+    config = EngineConfig(str(tiny_models["qwen3"]), device="cpu", dtype="float32", tensor_parallel_size=2,
+                          max_num_seqs=12, max_num_batched_tokens=96, max_model_len=200, kvcache_block_size=32,
+                          num_kvcache_blocks=40, gpu_memory_utilization=0.5, cpu_kvcache_gib=0.25,
+                          enforce_eager=True, attention_backend="torch", seed=7)
+    argv = dataplane_argv(config, "ipc:///tmp/x.sock")
+    assert argv[:3] == [sys.executable, "-m", "dataplane.launcher"]
+    args = dataplane_parser().parse_args(argv[3:])
+    assert (args.model, args.control, args.world_size) == (config.model, "ipc:///tmp/x.sock", 2)
+    assert (args.device, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (
+        "cpu", "float32", 12, 96, 200)
+    assert (args.block_size, args.num_kvcache_blocks, args.gpu_memory_utilization, args.cpu_kvcache_gib) == (
+        32, 40, 0.5, 0.25)
+    assert (args.enforce_eager, args.attention_backend, args.seed) == (True, "torch", 7)
+
+
+def test_the_block_size_has_one_name_on_both_planes(monkeypatch):
+    assert dataplane_parser().parse_args(["--model", "m", "--control", "c", "--block-size", "64"]).block_size == 64
+    monkeypatch.setenv("NANOPLANE_KVCACHE_BLOCK_SIZE", "128")
+    args = build_parser().parse_args(["dataplane", "--model", "m", "--control", "c"])
+    assert args.block_size == 128
+    assert build_parser().parse_args(["serve"]).kvcache_block_size == 128
