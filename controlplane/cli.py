@@ -93,13 +93,23 @@ def _generate_remote(args: argparse.Namespace) -> int:
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
     if args.sampling_seed is not None:
         sampling["seed"] = args.sampling_seed
-    with Client(args.server) as client:
-        if args.raw:
-            chunks = client.generate(args.prompt, **sampling)
-        else:
-            chunks = client.generate(messages=[{"role": "user", "content": args.prompt}], **sampling)
-        for chunk in chunks:
-            print(chunk.text, end="", flush=True)
+    import grpc
+
+    printed = False
+    try:
+        with Client(args.server) as client:
+            if args.raw:
+                chunks = client.generate(args.prompt, **sampling)
+            else:
+                chunks = client.generate(messages=[{"role": "user", "content": args.prompt}], **sampling)
+            for chunk in chunks:
+                print(chunk.text, end="", flush=True)
+                printed = True
+    except grpc.RpcError as e:  # the server's status and message say it all; a traceback adds nothing
+        if printed:
+            print()
+        print(f"nanoplane: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     print()
     return 0
 

@@ -87,7 +87,10 @@ def run_controlplane(config: EngineConfig, bind: str, address: str) -> int:
 
 
 class DataPlaneSupervisor:
-    """Keeps a `nanoplane dataplane` process running: restarts it when it exits, until stopped."""
+    """Keeps a `nanoplane dataplane` process running: restarts it when it fails or asks for a restart
+    (75), until stopped. Exit code 0 means the control plane stopped it on purpose, which it does as
+    it shuts down, just before this supervisor is stopped: restarting it then would only start a data
+    plane (and load a model) to kill it."""
 
     def __init__(self, argv: list[str], min_restart_interval_s: float = 2.0):
         self.argv = argv
@@ -106,6 +109,9 @@ class DataPlaneSupervisor:
             self.proc = subprocess.Popen(self.argv)
             code = self.proc.wait()
             if self._stopping.is_set():
+                return
+            if code == 0:
+                log.info("the data plane stopped on purpose (exit 0); not restarting it")
                 return
             self.restarts += 1
             log.warning("data plane exited with %s; restarting it (restart %d)", code, self.restarts)

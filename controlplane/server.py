@@ -118,10 +118,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _chat(self, chat: pb.ChatMessages) -> tuple[str, list[int]]:
         if not chat.messages:
             raise ValueError("messages is empty: give at least one message")
+        facts = self.engine.engine
+        # A chat template spends at least a token on each message; this bound comes first so that a
+        # flood of empty messages is refused before anything loops over it.
+        if facts is not None and len(chat.messages) > facts.max_model_len:
+            raise ValueError(f"{len(chat.messages)} messages cannot fit max_model_len {facts.max_model_len} tokens")
         for i, m in enumerate(chat.messages):
             if not m.role:
                 raise ValueError(f"message {i} has no role (e.g. 'user')")
-        self._check_text_length(sum(len(m.content) for m in chat.messages))
+        # Roles go through the template too, and nothing bounds them but this.
+        self._check_text_length(sum(len(m.role) + len(m.content) for m in chat.messages))
         try:
             # Off the event loop: tokenizing a long prompt takes seconds, and every stream waits on the loop.
             return await asyncio.to_thread(self.tokenizer.encode_chat,
@@ -177,6 +183,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if kind == "messages":
             text, ids = await self._chat(request.messages)
         else:
+            self._check_text_length(len(request.text))  # Tokenize answers for prompts only: the same bound
             ids = await asyncio.to_thread(self.tokenizer.encode, request.text) if request.text else []
             text = request.text
         return pb.TokenizeResponse(token_ids=ids, text=text)

@@ -33,19 +33,17 @@ class BatchState:
         self.top_p = np.ones(num_slots, dtype=np.float32)
         self.min_p = np.zeros(num_slots, dtype=np.float32)
         self.seeds = np.full(num_slots, -1, dtype=np.int64)  # a request's sampling seed, -1 for none
-        self.generators: list[torch.Generator | None] = [None] * num_slots
 
-    def apply(self, desc: StepDescriptor, make_generator, upload=None) -> None:
+    def apply(self, desc: StepDescriptor, upload=None) -> None:
         """Bring the slots up to date with a descriptor; raise StepRefused if it does not fit.
         `upload(*arrays)` (dataplane.uploader) carries the admitted prompts to the device."""
         for slot in desc.free_slots.tolist():
             self._check_slot(slot)
             self.num_computed[slot] = -1
-            self.generators[slot] = None
         admitted: list[tuple[int, np.ndarray]] = []
         try:
             for req in desc.new_requests:
-                self._admit(req, make_generator)
+                self._admit(req)
                 admitted.append((req.slot, req.token_ids))
         finally:
             self._store_prompts(admitted, upload)
@@ -94,7 +92,7 @@ class BatchState:
         if not 0 <= slot < self.num_slots:
             raise StepRefused(f"slot {slot} is outside the batch of {self.num_slots}")
 
-    def _admit(self, req: NewRequest, make_generator) -> None:
+    def _admit(self, req: NewRequest) -> None:
         slot, n, nb = req.slot, len(req.token_ids), len(req.block_ids)
         self._check_slot(slot)
         if self.num_computed[slot] != -1:
@@ -110,5 +108,4 @@ class BatchState:
         s = req.sampling
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             s.temperature, s.top_k, s.top_p, s.min_p)
-        self.generators[slot] = make_generator(s.seed) if s.seed is not None else None
         self.seeds[slot] = s.seed if s.seed is not None else -1

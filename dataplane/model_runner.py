@@ -191,7 +191,7 @@ class ModelRunner:
         try:
             if desc.step_id != self.next_step_id:
                 raise StepRefused(f"expected step {self.next_step_id}, got step {desc.step_id}")
-            self.state.apply(desc, self.sampler.generator, self.upload)
+            self.state.apply(desc, self.upload)
         except StepRefused as e:
             return Launched(desc.step_id, start, error=f"rank {self.rank} refused: {e}")
         self.next_step_id += 1
@@ -328,8 +328,7 @@ class ModelRunner:
             return logits.argmax(dim=-1)
         # Raw logits: the fused path reads them once as they are; the torch path makes its fp32 copy.
         return self.sampler.sample(logits, temperature, st.top_k[slots], st.top_p[slots], st.min_p[slots],
-                                   st.seeds[slots], st.num_known[slots], [st.generators[s] for s in slots.tolist()],
-                                   upload=self.upload)
+                                   st.seeds[slots], st.num_known[slots], upload=self.upload)
 
     def close(self) -> None:
         """Release the GPU memory now, not whenever the garbage collector finds the model."""

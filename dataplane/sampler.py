@@ -10,8 +10,10 @@ Two paths, each an exact draw from softmax(logits / T):
   so its tokens depend neither on the batch nor on a preemption (a recomputed request draws each
   position again with the same noise); unseeded rows take the shared seed and a draw counter.
 - torch (the CPU path, and the rows with filters): softmax, one exponential noise E per vocabulary
-  entry, argmax(p / E). A seeded request draws its noise from its own generator, so its tokens do
-  not depend on which other requests share the batch.
+  entry, argmax(p / E). A seeded row's noise comes from a generator seeded afresh with a mix of its
+  seed and the position of the token it draws, so, as on the fused path, its tokens depend neither
+  on the batch, nor on how its prompt was chunked or found in the prefix cache (mid-prompt chunks
+  draw and discard a token), nor on a preemption.
 
 A request keeps its filters for life, so it stays on one path, and its seeded draws stay
 reproducible whatever shares its batch.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -49,37 +51,39 @@ class Sampler:
         # [0, 2**63) of request seeds, so the shared stream never replays a seeded request's noise.
         self.shared_key = seed % 2**63 - 2**63
         self.draws = 0  # unseeded rows drawn by the fused path: each takes the next offset
+        # The torch path's seeded rows: reseeded per row and draw (draw_seed), reused so that a step
+        # creates no generators.
+        self.row_generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, generators: Sequence[torch.Generator | None], all_greedy: bool | None = None,
-                 filtered: bool | None = None, positions: Sequence[int] | np.ndarray | None = None) -> torch.Tensor:
+                 min_p: torch.Tensor, seeds: list[int | None] | None = None, all_greedy: bool | None = None,
+                 filtered: bool | None = None, positions: list[int] | np.ndarray | None = None) -> torch.Tensor:
         """logits [R, V]; parameters [R] on logits' device; returns [R] int64 token ids.
 
-        `all_greedy` and `filtered` may be given by a caller that knows them from host copies of the
-        parameters; otherwise they are read from the device (a sync). With `self.fused`, the
-        parameters are read back to the host (a sync; rank 0 calls `sample` with host copies) and
-        a seeded row's key is its generator's seed: `positions` [R] must then give the position of
-        the token each row draws.
+        `seeds`: per row a request's seed or None; `positions` [R], the position of the token each
+        row draws, must be given when a row is seeded (both paths key its noise by them). The fused
+        path reads the parameters back to the host (a sync); rank 0 calls `sample` with host copies.
         """
-        if not self.fused:
-            return self._torch_sample(logits, temperature, top_k, top_p, min_p, generators, all_greedy, filtered)
-        seeds = np.array([-1 if g is None else g.initial_seed() for g in generators], dtype=np.int64)
+        rows = logits.shape[0]
+        seeds = np.array([-1 if s is None else s for s in (seeds or [None] * rows)], dtype=np.int64)
         if positions is None:
             if (seeds >= 0).any():
-                raise ValueError("the fused sampler needs the positions of seeded rows")
-            positions = np.zeros(len(seeds), dtype=np.int64)
+                raise ValueError("seeded rows need the positions of the tokens they draw")
+            positions = np.zeros(rows, dtype=np.int64)
+        if not self.fused:
+            return self._torch_sample(logits, temperature, top_k, top_p, min_p, seeds, np.asarray(positions),
+                                      all_greedy, filtered)
         host = [x.cpu().numpy() for x in (temperature, top_k, top_p, min_p)]
-        return self.sample(logits, *host, seeds, np.asarray(positions), generators)
+        return self.sample(logits, *host, seeds, np.asarray(positions))
 
     def sample(self, logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
                min_p: np.ndarray, seeds: np.ndarray, positions: np.ndarray,
-               generators: Sequence[torch.Generator | None],
                upload: Callable[..., list[torch.Tensor]] | None = None) -> torch.Tensor:
         """Token ids [R] (int64, on logits' device) from raw logits [R, V] and host arrays [R].
 
         temperature/top_k/top_p/min_p: float32/int32/float32/float32 as BatchState keeps them;
         seeds: each request's seed, -1 for none; positions: the position of the token each row
-        draws (the tokens its request holds); generators: per row, for the torch path. `upload`
+        draws (the tokens its request holds). `upload`
         copies host arrays to the device in one go (rank 0 passes its Uploader); nothing here waits
         for the device.
         """
@@ -89,7 +93,7 @@ class Sampler:
         row_filtered = filtered_rows(top_k, top_p, min_p)
         if not self.fused or row_filtered.all():
             t, k, p, m = upload(temperature, top_k, top_p, min_p)
-            return self._torch_sample(logits, t, k, p, m, generators, all_greedy=False,
+            return self._torch_sample(logits, t, k, p, m, seeds, positions, all_greedy=False,
                                       filtered=bool(row_filtered.any()))
         import kernels  # triton is optional: only the fused path needs it
 
@@ -103,7 +107,7 @@ class Sampler:
         t, keys_t, offsets_t, rows_t, k, p, m = upload(temperature, keys, offsets, rows.astype(np.int64),
                                                        top_k[rows], top_p[rows], min_p[rows])
         out = kernels.sample(logits, t, keys_t, offsets_t)
-        out[rows_t] = self._torch_sample(logits[rows_t], t[rows_t], k, p, m, [generators[i] for i in rows.tolist()],
+        out[rows_t] = self._torch_sample(logits[rows_t], t[rows_t], k, p, m, seeds[rows], positions[rows],
                                          all_greedy=not temperature[rows].any(), filtered=True)
         return out
 
@@ -139,16 +143,11 @@ class Sampler:
                 kernels.sample_partial(slices[:rows], vocab_slice[0], vocab_size, t[:rows], zeros[:rows], zeros[:rows])
         torch.cuda.synchronize(self.device)
 
-    def generator(self, seed: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
-        return g
-
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
 
     def _torch_sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor, min_p: torch.Tensor, generators: Sequence[torch.Generator | None],
+                      top_p: torch.Tensor, min_p: torch.Tensor, seeds: np.ndarray, positions: np.ndarray,
                       all_greedy: bool | None, filtered: bool | None) -> torch.Tensor:
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
@@ -158,12 +157,21 @@ class Sampler:
         if filtered is None or filtered:
             logits = apply_filters(logits, top_k, top_p, min_p)
         probs = torch.softmax(logits, dim=-1)
-        seeded = [i for i, g in enumerate(generators) if g is not None]
         noise = torch.empty_like(probs).exponential_(generator=self.shared)
-        for i in seeded:  # a seeded row's noise comes from its own generator alone
-            noise[i].exponential_(generator=generators[i])
+        for i in np.flatnonzero(seeds >= 0).tolist():  # a seeded row's noise: its seed and position alone
+            self.row_generator.manual_seed(draw_seed(int(seeds[i]), int(positions[i])))
+            noise[i].exponential_(generator=self.row_generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperature == 0, greedy, sampled)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The torch path's generator seed for a seeded request's draw at `position`: splitmix64 of the
+    pair, so that neighbouring seeds or positions give unrelated streams."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
 
 def filtered_rows(top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> np.ndarray:

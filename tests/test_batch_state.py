@@ -29,8 +29,7 @@ def test_admitted_prompts_arrive_in_one_upload():
         return [torch.from_numpy(a.copy()) for a in arrays]
 
     prompts = {2: [5, 6, 7], 0: list(range(100, 120))}
-    state.apply(descriptor([request(s, p, [s * 2, s * 2 + 1]) for s, p in prompts.items()], [2, 0], [3, 20]),
-                lambda seed: None, upload)
+    state.apply(descriptor([request(s, p, [s * 2, s * 2 + 1]) for s, p in prompts.items()], [2, 0], [3, 20]), upload)
     assert uploads == [3]  # rows, columns, values: one upload whatever the number of prompts
     for slot, tokens in prompts.items():
         assert state.token_buf[slot, :len(tokens)].tolist() == tokens and state.num_known[slot] == len(tokens)
@@ -41,5 +40,5 @@ def test_prompts_admitted_before_a_refusal_are_stored():
     state = BatchState(num_slots=2, max_model_len=32, block_size=16, device=torch.device("cpu"))
     bad = request(7, [1, 2], [0])  # slot 7 does not exist
     with pytest.raises(StepRefused, match="slot 7"):
-        state.apply(descriptor([request(0, [9, 8, 7], [0]), bad], [0], [3]), lambda seed: None)
+        state.apply(descriptor([request(0, [9, 8, 7], [0]), bad], [0], [3]))
     assert state.token_buf[0, :3].tolist() == [9, 8, 7] and state.num_known[0] == 3

@@ -56,3 +56,11 @@ def test_the_block_size_has_one_name_on_both_planes(monkeypatch):
     args = build_parser().parse_args(["dataplane", "--model", "m", "--control", "c"])
     assert args.block_size == 128
     assert build_parser().parse_args(["serve"]).kvcache_block_size == 128
+
+
+def test_generate_from_a_server_reports_an_rpc_error_in_one_line(capsys):
+    from controlplane.cli import free_port, main
+
+    code = main(["generate", "--server", f"127.0.0.1:{free_port()}", "--raw", "hi"])  # nothing listens there
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("nanoplane: UNAVAILABLE: ") and "Traceback" not in err

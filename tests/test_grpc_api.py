@@ -198,6 +198,11 @@ def test_cancel_and_deadline_free_blocks(client):
     (dict(text="hi", request_id="r" * 257), "request_id"),
     # Refused on its length alone, before seconds of tokenizing on the loop every stream shares.
     (dict(text="x" * 1_000_000), "characters) is longer than max_model_len"),
+    # The same for a chat: roles count, and a flood of messages is refused on its count.
+    (dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="x" * 1_000_000, content="hi")])),
+     "characters) is longer than max_model_len"),
+    (dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user")] * (MAX_LEN + 1))),
+     f"{MAX_LEN + 1} messages cannot fit max_model_len"),
 ])
 def test_invalid_requests(stub, request_kwargs, message):
     err = rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(**request_kwargs))))
@@ -255,21 +260,31 @@ def test_a_request_id_waits_out_its_grace_then_is_refused():
     assert 0.04 < freed < REQUEST_ID_GRACE_S and REQUEST_ID_GRACE_S - 0.01 < refused < REQUEST_ID_GRACE_S + 0.2
 
 
-def test_a_huge_prompt_does_not_stall_the_event_loop(server, client):
-    """Tokenizing runs off the event loop that serves every stream: while a long text (under the
-    length bound, so it is tokenized) is being tokenized, other calls are still answered."""
-    text = "lorem ipsum dolor sit amet " * 40_000  # ~1 MB: about a second of tokenizing here
+def test_tokenizing_does_not_stall_the_event_loop(server, client, monkeypatch):
+    """Tokenizing runs off the event loop that serves every stream: while a slow tokenization runs (a
+    stand-in for a long prompt's second of work), other calls are still answered."""
+    tokenizer = server.server.tokenizer
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text: (time.sleep(1.0), encode(text))[1])
     with grpc.insecure_channel(server.address) as channel:
         start = time.monotonic()
-        call = pb_grpc.GenerationStub(channel).Tokenize.future(pb.TokenizeRequest(text=text))
+        call = pb_grpc.GenerationStub(channel).Tokenize.future(pb.TokenizeRequest(text=PROMPTS[1]))
         waits = []
         while not call.done():
             t = time.monotonic()
             client.server_status()  # answered on the event loop
             waits.append(time.monotonic() - t)
         took = time.monotonic() - start
-        assert len(call.result().token_ids) > MAX_LEN
+        assert list(call.result().token_ids) == encode(PROMPTS[1])
     assert len(waits) > 3 and max(waits) < 0.25, f"a status call waited {max(waits):.2f} s of {took:.2f} s"
+
+
+def test_tokenize_refuses_text_no_prompt_could_hold(stub):
+    """Tokenize answers for prompts: a text longer than max_model_len tokens can hold is refused at once,
+    as Generate refuses it, rather than tokenized into a reply larger than a client accepts."""
+    err = rpc_error(lambda: stub.Tokenize(pb.TokenizeRequest(text="the quick brown fox " * 200_000)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "characters) is longer than max_model_len" in err.details()
 
 
 def test_client_keepalive_pings_keep_the_connection(server):

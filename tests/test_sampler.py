@@ -44,13 +44,12 @@ def test_seeded_rows_do_not_depend_on_the_batch(fused):
     logits = torch.randn(5, V)
     s = Sampler(torch.device("cpu"), seed=3, fused=fused)
     draws_alone, draws_batched = [], []
-    g1, g2 = s.generator(1234), s.generator(1234)
     t, k, p, m = params(5)
     t[1], k[3] = 0.0, 3  # the batch mixes in a greedy row and a filtered one (the torch path's, when fused)
     for step in range(20):
-        # The position of the token drawn keys the fused path's noise; the torch path's generators advance instead.
-        draws_alone.append(int(s(logits[2:3], *params(1), [g1], positions=[40 + step])[0]))
-        batch = s(logits, t, k, p, m, [None, None, g2, s.generator(5), None], positions=[3, 8, 40 + step, 9, 1])
+        # On both paths the seed and the position of the token drawn key a seeded row's noise.
+        draws_alone.append(int(s(logits[2:3], *params(1), [1234], positions=[40 + step])[0]))
+        batch = s(logits, t, k, p, m, [None, None, 1234, 5, None], positions=[3, 8, 40 + step, 9, 1])
         draws_batched.append(int(batch[2]))
         assert batch[1] == logits[1].argmax() and batch[3] in logits[3].topk(3).indices
     assert draws_alone == draws_batched
@@ -126,7 +125,7 @@ def test_fused_rows_draw_the_kernels_noise_for_their_seed_and_position():
     seeds = np.array([-1, 2**62, -1, 5], dtype=np.int64)
     positions = np.array([7, 30, 7, 2], dtype=np.int32)
     for call in range(2):
-        ids = s.sample(logits, t, k, p, m, seeds, positions, [None] * 4)
+        ids = s.sample(logits, t, k, p, m, seeds, positions)
         # Unseeded rows: the shared key (top bit set) and the next draw numbers; seeded: (seed, position).
         keys = torch.tensor([s.shared_key, 2**62, s.shared_key, 5])
         offsets = torch.tensor([4 * call, 30, 4 * call + 2, 2])
@@ -155,7 +154,7 @@ def test_fused_filtered_rows_take_the_torch_path():
     t[5] = 0.0
     seen = set()
     for _ in range(4):
-        ids = s.sample(logits, t, k, p, m, np.full(6, -1, dtype=np.int64), np.zeros(6, dtype=np.int32), [None] * 6)
+        ids = s.sample(logits, t, k, p, m, np.full(6, -1, dtype=np.int64), np.zeros(6, dtype=np.int32))
         assert set(ids[:3].tolist()) <= set(logits[0].topk(2).indices.tolist())
         assert ids[5] == logits[0].argmax()
         seen |= set(ids[3:5].tolist())
@@ -166,14 +165,14 @@ def test_fused_filtered_rows_take_the_torch_path():
 def test_fused_sampler_needs_the_positions_of_seeded_rows():
     s = Sampler(torch.device("cpu"), fused=True)
     with pytest.raises(ValueError, match="positions"):
-        s(torch.randn(2, V), *params(2), [None, s.generator(3)])
+        s(torch.randn(2, V), *params(2), [None, 3])
 
 
 def test_torch_path_takes_raw_half_logits():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(9))
     t, k, p, m = host_params(3, top_k=4)
     t[0] = 0.0
-    args = (t, k, p, m, np.full(3, -1, dtype=np.int64), np.zeros(3, dtype=np.int32), [None] * 3)
+    args = (t, k, p, m, np.full(3, -1, dtype=np.int64), np.zeros(3, dtype=np.int32))
     half = Sampler(torch.device("cpu"), seed=2).sample(logits.to(torch.bfloat16), *args)
     full = Sampler(torch.device("cpu"), seed=2).sample(logits.to(torch.bfloat16).float(), *args)
     assert torch.equal(half, full) and half[0] == logits.to(torch.bfloat16)[0].float().argmax()
@@ -200,10 +199,10 @@ def test_engine_seeded_request_ignores_its_batch(tiny_models, fused):
     assert len(set(alone)) > 3  # it samples
 
 
-@interpreted
-def test_engine_fused_seeded_request_survives_preemption(tiny_models):
-    """A preempted request is recomputed and draws its next positions again: the same tokens (only the fused path
-    keys the noise by position; the torch path restarts the request's generator)."""
+@pytest.mark.parametrize("fused", FUSED)
+def test_engine_seeded_request_survives_preemption(tiny_models, fused):
+    """A preempted request is recomputed and draws its next positions again: the same tokens, since both paths
+    key a seeded row's noise by the position it draws (the torch path once restarted the request's generator)."""
     from controlplane import LLM, SamplingParams
 
     prompts = [[(7 * i + j) % 380 + 1 for j in range(20 + 4 * i)] for i in range(5)]
@@ -212,12 +211,32 @@ def test_engine_fused_seeded_request_survives_preemption(tiny_models):
     for blocks in (0, 8):  # 0: sized by memory; 8 blocks of 16 tokens hold 128; the five requests need about 280
         llm = LLM(str(tiny_models["llama-tied"]), device="cpu", kvcache_block_size=16, num_kvcache_blocks=blocks)
         try:
-            llm.engine.data_plane.runner.sampler.fused = True
+            llm.engine.data_plane.runner.sampler.fused = fused
             outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
             assert (llm.engine.scheduler.num_preemptions > 0) == (blocks > 0)
         finally:
             llm.close()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_engine_seeded_request_ignores_chunking_and_the_prefix_cache(tiny_models, fused):
+    """A prompt longer than a step's token budget is prefilled in chunks, each drawing a token that is thrown
+    away; run again, most of it comes from the prefix cache and it takes fewer chunks. Same tokens both times."""
+    from controlplane import LLM, SamplingParams
+
+    prompt = [(7 * i) % 380 + 1 for i in range(100)]
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=1234)
+    llm = LLM(str(tiny_models["qwen3"]), device="cpu", kvcache_block_size=16, max_num_batched_tokens=32)
+    try:
+        llm.engine.data_plane.runner.sampler.fused = fused
+        first = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+        assert llm.engine.scheduler.block_manager.num_cache_hits == 0
+        again = llm.generate([prompt], seeded, use_tqdm=False)[0]["token_ids"]
+        assert llm.engine.scheduler.block_manager.num_cache_hits >= 4  # of the prompt's six full blocks
+    finally:
+        llm.close()
+    assert again == first and len(set(first)) > 3
 
 
 @pytest.mark.parametrize("value, fused", [("0", False), ("1", True)])
