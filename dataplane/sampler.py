@@ -61,8 +61,10 @@ class Sampler:
         """logits [R, V]; parameters [R] on logits' device; returns [R] int64 token ids.
 
         `seeds`: per row a request's seed or None; `positions` [R], the position of the token each
-        row draws, must be given when a row is seeded (both paths key its noise by them). The fused
-        path reads the parameters back to the host (a sync); rank 0 calls `sample` with host copies.
+        row draws, must be given when a row is seeded (both paths key its noise by them).
+        `all_greedy` and `filtered` may be given by a caller that knows them from host copies of the
+        parameters; otherwise the torch path reads them from the device (a sync). The fused path
+        reads the parameters back to the host (a sync); rank 0 calls `sample` with host copies.
         """
         rows = logits.shape[0]
         seeds = np.array([-1 if s is None else s for s in (seeds or [None] * rows)], dtype=np.int64)
@@ -83,9 +85,8 @@ class Sampler:
 
         temperature/top_k/top_p/min_p: float32/int32/float32/float32 as BatchState keeps them;
         seeds: each request's seed, -1 for none; positions: the position of the token each row
-        draws (the tokens its request holds). `upload`
-        copies host arrays to the device in one go (rank 0 passes its Uploader); nothing here waits
-        for the device.
+        draws (the tokens its request holds). `upload` copies host arrays to the device in one go
+        (rank 0 passes its Uploader); nothing here waits for the device.
         """
         upload = upload or self._upload
         if not temperature.any():
