@@ -265,7 +265,9 @@ def apply_environment(parser: argparse.ArgumentParser, environ: os._Environ | di
         longs = [o for o in action.option_strings if o.startswith("--")]
         if not longs or action.dest == "help":
             continue
-        value = environ.get("NANOPLANE_" + longs[0][2:].replace("-", "_").upper())
+        # Each name of a flag has its variable (an alias keeps the one it always had); the first set wins.
+        names = ["NANOPLANE_" + o[2:].replace("-", "_").upper() for o in longs]
+        value = next((environ[n] for n in names if n in environ), None)
         if value is None:
             continue
         if action.nargs == 0:  # a switch: 1/true/yes turn it on

@@ -67,7 +67,8 @@ class Sampler:
         reads the parameters back to the host (a sync); rank 0 calls `sample` with host copies.
         """
         rows = logits.shape[0]
-        seeds = np.array([-1 if s is None else s for s in (seeds or [None] * rows)], dtype=np.int64)
+        seeds = np.array([-1 if s is None else s for s in ([None] * rows if seeds is None else seeds)],
+                         dtype=np.int64)
         if positions is None:
             if (seeds >= 0).any():
                 raise ValueError("seeded rows need the positions of the tokens they draw")

@@ -32,7 +32,7 @@ class SamplingSpec:
     top_k: int = 0  # keep the k most likely tokens; 0 disables
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 disables
     min_p: float = 0.0  # drop tokens below min_p * p(max); 0 disables
-    seed: int | None = None  # per-request generator; None draws from the plane's shared generator
+    seed: int | None = None  # keys the request's noise with each drawn position; None: the plane's shared stream
 
 
 @dataclass(slots=True)

@@ -50,6 +50,11 @@ def test_serve_hands_the_data_plane_every_setting(tiny_models):
     assert (args.enforce_eager, args.attention_backend, args.seed) == (True, "torch", 7)
 
 
+def test_the_block_size_alias_keeps_its_variable(monkeypatch):
+    monkeypatch.setenv("NANOPLANE_BLOCK_SIZE", "64")  # the data plane's variable before the flag was renamed
+    assert build_parser().parse_args(["dataplane", "--model", "m", "--control", "c"]).block_size == 64
+
+
 def test_the_block_size_has_one_name_on_both_planes(monkeypatch):
     assert dataplane_parser().parse_args(["--model", "m", "--control", "c", "--block-size", "64"]).block_size == 64
     monkeypatch.setenv("NANOPLANE_KVCACHE_BLOCK_SIZE", "128")

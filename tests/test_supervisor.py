@@ -16,17 +16,21 @@ def exiting_with(code: int) -> list[str]:
 def test_a_data_plane_stopped_on_purpose_is_not_restarted():
     supervisor = DataPlaneSupervisor(exiting_with(0), min_restart_interval_s=0.01)
     supervisor.start()
-    supervisor._thread.join(30)
-    assert not supervisor._thread.is_alive() and supervisor.restarts == 0
-    supervisor.stop()
+    try:
+        supervisor._thread.join(30)
+        assert not supervisor._thread.is_alive() and supervisor.restarts == 0
+    finally:
+        supervisor.stop()
 
 
 def test_a_failed_or_retired_data_plane_is_restarted():
     for code in (1, 75):
         supervisor = DataPlaneSupervisor(exiting_with(code), min_restart_interval_s=0.01)
         supervisor.start()
-        deadline = time.monotonic() + 30
-        while supervisor.restarts < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        supervisor.stop()
+        try:
+            deadline = time.monotonic() + 30
+            while supervisor.restarts < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            supervisor.stop()
         assert supervisor.restarts >= 2 and not supervisor._thread.is_alive()
