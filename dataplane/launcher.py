@@ -96,6 +96,10 @@ def launch(args: argparse.Namespace) -> int:
             p.start()
         return _supervise(procs)
     except KeyboardInterrupt as e:
+        # Stopping already: a second signal (Ctrl-C, then a supervisor's SIGTERM) must not cut _stop
+        # short with a traceback and leave ranks behind.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         log.info("stopping the data plane (%s)", e)
         _stop(procs)
         return 128 + (signal.SIGTERM if str(e) == "SIGTERM" else signal.SIGINT)

@@ -7,6 +7,7 @@ start `python -m dataplane.launcher` processes with a tiny model on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -331,3 +332,35 @@ def test_tp2_kill_a_rank_then_reattach(model, reference, launchers):
     assert launchers[1].wait(15) == EXIT_RESTART
     print(f"ranks left {time.monotonic() - start:.2f}s after the control plane vanished")
     assert time.monotonic() - start < 3 + 5  # control_timeout 3 s, and slack
+
+
+def test_a_second_signal_while_the_launcher_stops_leaves_no_traceback(tiny_models, tmp_path):
+    """Ctrl-C, then a supervisor's SIGTERM while the launcher is stopping its ranks: it finishes stopping them
+    and exits 130, without a KeyboardInterrupt traceback. The rank is frozen (SIGSTOP), so the launcher is
+    still waiting out its grace period when the second signal comes."""
+    cmd = [sys.executable, "-m", "dataplane.launcher", "--model", str(tiny_models["qwen3"]), "--control",
+           f"ipc://{tmp_path}/nobody.sock", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        err = ""
+        while "starting 1 rank" not in err:
+            line = proc.stderr.readline()
+            assert line, f"the launcher ended before starting its rank: {err}"
+            err += line
+        time.sleep(0.5)  # the rank is up (or importing torch)
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(pid) for pid in f.read().split()]
+        ranks = [pid for pid in children if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        assert len(ranks) == 1  # not multiprocessing's resource tracker, which must see the launcher go
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        err += proc.communicate(timeout=30)[1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever the launcher left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in err, err
