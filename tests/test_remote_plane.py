@@ -351,7 +351,7 @@ def test_a_second_signal_while_the_launcher_stops_leaves_no_traceback(tiny_model
         time.sleep(0.5)  # the rank is up (or importing torch)
         with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
             children = [int(pid) for pid in f.read().split()]
-        ranks = [pid for pid in children if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+        ranks = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(ranks) == 1  # not multiprocessing's resource tracker, which must see the launcher go
         for pid in ranks:
             os.kill(pid, signal.SIGSTOP)
