@@ -22,6 +22,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from timing import time_graph  # noqa: E402
+
 from kernels import paged_decode_attention, silu_and_mul, skinny_gemm  # noqa: E402
 from kernels.pdl import pdl_args, pdl_prologue  # noqa: E402
 
@@ -76,25 +78,6 @@ def step(x, weights, caches, tables, lens, tables_of_prefetch):
         h = linear(a.view(-1, HQ * D), w["o"])
         x = linear(silu_and_mul(linear(h, w["gate_up"])), w["down"])
     return x
-
-
-def time_graph(fn, reps: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:

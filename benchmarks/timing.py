@@ -1,6 +1,7 @@
 """One line per op for the kernel benchmarks (benchmarks/kernels.py, benchmarks/gemm.py): its time
 cold and replayed in a CUDA graph, against the H200's floors."""
 
+import torch
 import triton.testing
 
 BANDWIDTH = 4.24e12  # bytes/s: an H200's device copy (read + write)
@@ -23,3 +24,24 @@ def report(name: str, fn, nbytes: int, flops: float = 0.0, check=None, graph: bo
         line += f"  {flops / graph / 1e6:6.0f} TFLOP/s ({flops / MATMUL_FLOPS * 1e6:.1f} us at peak)"
     print(line, flush=True)
     return graph
+
+
+def time_graph(fn, reps: int = 30) -> float:
+    """Median ms of one replay of `fn` captured in a CUDA graph (after one eager call, which also
+    compiles whatever needs compiling)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
