@@ -18,9 +18,14 @@ from timing import BANDWIDTH, MATMUL_FLOPS, report
 from kernels import reference as ref
 from kernels import skinny_gemm
 
-# (K, N) of Qwen3-0.6B's linear layers, as one tensor-parallel rank holds them at TP=1.
-SKINNY_SHAPES = {"qkv_proj": (1024, 4096), "o_proj": (2048, 1024), "gate_up_proj": (1024, 6144),
-                 "down_proj": (3072, 1024)}
+# (K, N) of the linear layers as one tensor-parallel rank holds them: Qwen3-0.6B at TP=1 (the
+# default), Qwen3-8B at TP=2 (`benchmarks/kernels.py --gemm-shapes 8b-tp2`).
+GEMM_SHAPES = {
+    "0.6b": {"qkv_proj": (1024, 4096), "o_proj": (2048, 1024), "gate_up_proj": (1024, 6144), "down_proj": (3072, 1024)},
+    "8b-tp2": {"qkv_proj": (4096, 3072), "o_proj": (2048, 4096), "gate_up_proj": (4096, 12288),
+               "down_proj": (6144, 4096)},
+}
+SKINNY_SHAPES = GEMM_SHAPES["0.6b"]
 # Decode rows: the skinny kernel serves up to 64 by default; 128 and 256 say whether it should take
 # the larger steps from cuBLAS too (NANOPLANE_SKINNY_MAX_ROWS).
 SKINNY_ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
@@ -81,7 +86,10 @@ SKINNY_SWEEP = [(None, None, None, None, 4),
                 (False, 32, None, None, 4), (False, None, None, 2, 4), (False, None, None, 4, 4),
                 (False, None, None, None, 8),
                 (True, 16, None, None, 4), (True, 32, None, None, 4), (True, 16, 256, None, 4),
-                (True, 16, None, 3, 4), (True, 16, None, 5, 4)]
+                (True, 16, None, 3, 4), (True, 16, None, 5, 4),
+                # wider outputs (8B shapes): BLOCK_N's program count against the SMs' waves
+                (True, 64, None, None, 4), (True, 64, 64, 4, 4), (True, 128, 64, 3, 4), (True, 32, 64, 4, 4),
+                (True, 32, 128, 4, 4)]
 
 
 def bench_skinny_sweep(dtype: torch.dtype) -> None:

@@ -26,7 +26,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gemm import bench_mid_sweep, bench_skinny, bench_skinny_sweep  # noqa: E402  (benchmarks/gemm.py)
+import gemm  # noqa: E402  (benchmarks/gemm.py)
+from gemm import bench_mid_sweep, bench_skinny, bench_skinny_sweep  # noqa: E402
 from timing import BANDWIDTH, report  # noqa: E402  (benchmarks/timing.py)
 
 from kernels import (  # noqa: E402
@@ -252,7 +253,10 @@ def main() -> None:
     default = ",".join(name for name in BENCHES if not name.endswith("_sweep"))  # sweeps are for tuning only
     parser.add_argument("--only", default=default, help="comma-separated subset of " + ",".join(BENCHES))
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--gemm-shapes", default="0.6b", choices=sorted(gemm.GEMM_SHAPES),
+                        help="the linear layers skinny, skinny_sweep and mid_sweep time (one rank's shard)")
     args = parser.parse_args()
+    gemm.SKINNY_SHAPES = gemm.GEMM_SHAPES[args.gemm_shapes]
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  dtype={args.dtype}  floor at {BANDWIDTH / 1e12:.2f} TB/s")
