@@ -26,6 +26,12 @@ BENCHMARKS.md): 6-9% off a layer's four projections at 16-64 rows in isolation, 
 whole benchmark. The FMA path gets its parallelism from a small BLOCK_N instead; the tensor-core
 path has 64 programs at N=1024 (BLOCK_N=16).
 
+The tiles below are tuned on Qwen3-0.6B's layers. For Qwen3-8B's (16 MB and more a rank), a sweep
+(`benchmarks/kernels.py --only skinny_sweep --gemm-shapes 8b-tp2`) found tensor-core tiles of 32
+features from 2 rows, and 16-feature CUDA-core tiles at one row, 14-28% faster a layer in isolation
+at 1-32 rows. In the whole 8B decode step they gained nothing at TP=2 and lost 1-2% at 16-64 rows
+at TP=1 (BENCHMARKS.md, tenth session), so they are not used.
+
 No autotune (a first call inside CUDA-graph capture would benchmark there): the launcher picks
 tiles from the shape, `_config` documents how, and keyword overrides let benchmarks/kernels.py
 sweep alternatives. The loop is software-pipelined (`tl.range(num_stages=...)` also pipelines
@@ -54,13 +60,6 @@ _PROGRAMS_PER_SM = 2
 _FMA_ACC = 8192
 # Shared memory one program may spend on its pipeline stages (an H200 SM has 227 KB).
 _SMEM_BUDGET = 128 * 1024
-# From this weight size up (every linear layer of Qwen3-8B, whole or halved by TP=2; none of 0.6B's,
-# the largest of which is 12 MB) the tiles above lose: `benchmarks/kernels.py --only skinny_sweep
-# --gemm-shapes 8b-tp2` (BENCHMARKS.md) found 16-feature tensor-core tiles 10-30% slower than 32-feature
-# ones even where 32 leaves fewer programs than SMs (K is long enough to keep each one streaming), the
-# CUDA-core path at 2-4 rows up to 60% slower than tensor cores, and at 1 row 16-feature tiles of
-# half the K depth faster than the 8-feature ones.
-_LARGE_WEIGHT_BYTES = 16 << 20
 
 
 @triton.jit
@@ -130,22 +129,19 @@ def _config(m: int, n: int, k: int, esize: int, num_sms: int, use_dot: bool | No
             block_k: int | None, num_stages: int | None,
             block_m: int | None = None) -> tuple[bool, int, int, int, int]:
     """(use_dot, BLOCK_M, BLOCK_N, BLOCK_K, num_stages); None arguments take the defaults below."""
-    large = n * k * esize >= _LARGE_WEIGHT_BYTES
     if use_dot is None:
-        use_dot = m > (1 if large else _FMA_MAX_M)
+        use_dot = m > _FMA_MAX_M
     if use_dot:
         # tl.dot's minimum tile is 16 on every side; 32/64 rows of the weight when N is large enough
         # to keep one program per SM anyway (fewer, longer programs: less x re-read, longer streams).
         # Up to _DOT_MAX_BLOCK_M rows share one pass over the weight; more rows read it again per tile.
         block_m = block_m or min(_DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
-        min_n, max_n, target = 32 if large else 16, 64, num_sms
+        min_n, max_n, target = 16, 64, num_sms
     else:
         # The x tile is re-read by every program (from L2): BLOCK_N >= BLOCK_M keeps that traffic
         # no larger than the weight's.
         block_m = triton.next_power_of_2(min(m, 16))
         min_n, max_n, target = max(4, block_m), 32, _PROGRAMS_PER_SM * num_sms
-        if large:
-            min_n = max_n = max(16, block_m)
     if block_n is None:
         block_n = max_n
         while block_n > min_n and triton.cdiv(n, block_n) < target:

@@ -333,24 +333,6 @@ def test_skinny_gemm_tiles(use_dot, block_n, block_k, num_stages, m, n, k):
                       block_k=block_k, num_stages=num_stages)
 
 
-def test_skinny_gemm_tiles_for_large_weights():
-    """From 16 MiB of weight (Qwen3-8B's layers) the launcher takes the tiles the 8B sweep found
-    (kernels/skinny_gemm.py): tensor cores from 2 rows with at least 32 features a program, and
-    16-feature CUDA-core tiles at one row. Smaller weights (0.6B's) keep their own rules."""
-    from kernels.skinny_gemm import _FMA_MAX_M, _config
-
-    sms, bf16 = 132, 2
-    for k, n in [(4096, 3072), (2048, 4096), (4096, 12288), (6144, 4096)]:
-        use_dot, _, block_n, block_k, _ = _config(1, n, k, bf16, sms, None, None, None, None)
-        assert (use_dot, block_n, block_k) == (False, 16, 512)
-        for m in (2, 4, 16, 64):
-            use_dot, _, block_n, _, _ = _config(m, n, k, bf16, sms, None, None, None, None)
-            assert use_dot and block_n >= 32
-    for k, n in [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]:  # Qwen3-0.6B
-        assert not _config(_FMA_MAX_M, n, k, bf16, sms, None, None, None, None)[0]  # CUDA cores up to 4 rows
-    assert _config(16, 1024, 2048, bf16, sms, None, None, None, None)[2] == 16  # o_proj: 64 programs of 16
-
-
 def test_skinny_gemm_in_linear_layers(monkeypatch):
     """With fused kernels on, linear layers send 1..SKINNY_MAX_ROWS rows through skinny_gemm; results equal
     F.linear's."""
