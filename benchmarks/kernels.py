@@ -2,7 +2,7 @@
 
     python benchmarks/kernels.py [--only read,decode,decode_mixed,decode_sweep,prefill,rms_norm,rotary,store,
                                          sample,skinny,skinny_sweep,mid_sweep]
-                                 [--dtype bf16]
+                                 [--dtype bf16] [--gemm-shapes 0.6b|8b-tp2]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
 `cold` is triton's do_bench (L2 flushed before each call, one launch per call: what a step sees
