@@ -285,18 +285,16 @@ class ModelRunner:
     def _head_and_sample(self, hidden: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         """The LM head and the sampler over the rows' last hidden states: the ids, on every rank."""
         st = self.state
-        filtered = None  # only tensor parallelism with the fused sampler chooses by it
-        if self.world_size > 1 and self.sampler.fused:
-            filtered = filtered_rows(st.top_k[slots], st.top_p[slots], st.min_p[slots])
-            if not filtered.any():
-                return self._sample_slices(hidden, slots)
+        # Tensor parallelism with the fused sampler draws from vocabulary slices unless a row filters.
+        if self.world_size > 1 and self.sampler.fused and not filtered_rows(st.top_k[slots], st.top_p[slots],
+                                                                            st.min_p[slots]).any():
+            return self._sample_slices(hidden, slots)
         logits = self.model.compute_logits(hidden)
         if self.rank == 0:
             sampled = self._sample(logits, slots)
         else:
             sampled = torch.empty(len(slots), dtype=torch.int64, device=self.device)
-            if filtered is not None and st.temperature[slots].any() and not filtered.all():
-                self.sampler.draws += len(slots)  # as rank 0's sampler just did: the ranks' streams stay equal
+            self.sampler.advance(st.temperature[slots], st.top_k[slots], st.top_p[slots], st.min_p[slots])
         if self.world_size > 1:
             dist.broadcast(sampled, src=0)
         return sampled

@@ -113,6 +113,12 @@ class Sampler:
                                          all_greedy=not temperature[rows].any(), filtered=True)
         return out
 
+    def advance(self, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> None:
+        """Move the draw counter as `sample` would over these rows, without drawing: a tensor-parallel
+        rank that leaves a whole-row draw to rank 0 keeps its unseeded stream in step with rank 0's."""
+        if self.fused and temperature.any() and not filtered_rows(top_k, top_p, min_p).all():
+            self.draws += len(temperature)
+
     def streams(self, seeds: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The fused path's (key, offset) per row, int64: (seed, position) for a seeded row, (the
         shared key, the next draw number) for the others."""
