@@ -432,7 +432,7 @@ def test_qkv_prologue_and_silu_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024),  # Qwen3-0.6B
                                  (4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096),  # Qwen3-8B
-                                 (4096, 3072), (2048, 4096)])  # a TP=2 rank's 8B qkv and o_proj (16 MiB)
+                                 (4096, 3072), (2048, 4096)])  # a TP=2 rank's 8B qkv and o_proj
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 40, 64, 256])  # 256: four row tiles (NANOPLANE_SKINNY_MAX_ROWS=256)
 def test_skinny_gemm_gpu(k, n, m):
     """bf16 at the real decode shapes, both inner products, in and out of a CUDA graph."""
