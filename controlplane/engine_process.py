@@ -16,7 +16,12 @@ side's commands, sent under a lock):
 
 `EngineClient` has AsyncEngine's interface, so the server does not know which one it drives. If the
 engine process dies, every open stream ends with UNAVAILABLE, health goes NOT_SERVING, and a new
-engine process is started; if the serving process dies, the engine process notices and exits.
+engine process is started; if the serving process dies, the engine process notices and exits. A
+process that is alive but silent (stopped, or stuck in a call that holds its GIL) would hold every
+stream forever, so the engine process's main thread also sends a beat every BEAT_INTERVAL_S, and
+after ENGINE_SILENCE_S without any event the serving process kills it and treats it as dead. (A
+stuck engine thread under a live main thread is not caught here; the data plane's own heartbeats
+end its steps.)
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import pickle
 import shutil
 import signal
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +61,10 @@ log = logging.getLogger(__name__)
 
 # A dead engine process is replaced after this long (a crash loop must not spin).
 RESTART_INTERVAL_S = 1.0
+# The engine process's main thread sends a beat this often; the serving process kills an engine
+# process it has heard nothing from for ENGINE_SILENCE_S (from its start, or its last event).
+BEAT_INTERVAL_S = 1.0
+ENGINE_SILENCE_S = 10.0
 
 
 def engine_process_enabled() -> bool:
@@ -115,6 +125,11 @@ def _engine_main(config: EngineConfig, data_plane_address: str, commands_address
     events = ctx.socket(zmq.PUSH)  # the engine thread's alone once it runs
     events.setsockopt(zmq.LINGER, 1000)
     events.connect(events_address)
+    beats = ctx.socket(zmq.PUSH)  # this (main) thread's own way to the same events socket
+    beats.setsockopt(zmq.LINGER, 0)
+    beats.connect(events_address)
+    beats.send_pyobj(("beat",))
+    last_beat = time.monotonic()
     data_plane = RemoteDataPlane(data_plane_address, world_size=config.tensor_parallel_size)
     streams: dict[int, Stream] = {}  # key -> stream, for aborts
 
@@ -142,6 +157,10 @@ def _engine_main(config: EngineConfig, data_plane_address: str, commands_address
     orderly = False  # a "stop" from the serving process; otherwise it died and the data plane must restart
     try:
         while True:
+            if time.monotonic() - last_beat >= BEAT_INTERVAL_S:
+                with contextlib.suppress(zmq.Again):
+                    beats.send_pyobj(("beat",), zmq.NOBLOCK)
+                last_beat = time.monotonic()
             if not commands.poll(500):
                 if os.getppid() != parent:  # the serving process is gone: nobody to stream to
                     log.warning("the serving process exited; stopping the engine")
@@ -169,6 +188,7 @@ def _engine_main(config: EngineConfig, data_plane_address: str, commands_address
         core.shutdown()  # open streams end with UNAVAILABLE; their outputs still go out
         data_plane.close()
         events.close()
+        beats.close()
         commands.close(linger=0)
         ctx.term()
 
@@ -204,6 +224,7 @@ class EngineClient:
         self._process: mp.process.BaseProcess | None = None
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._last_word = 0.0  # monotonic time of the engine process's start or its latest event
 
     # ---- AsyncEngine's interface -----------------------------------------------------------------
 
@@ -309,6 +330,7 @@ class EngineClient:
             args=(config, address, f"ipc://{self._dir}/commands.sock", f"ipc://{self._dir}/events.sock",
                   eos, interval, timeout))
         process.start()
+        self._last_word = time.monotonic()
         self._process = process
 
     def _send(self, command: tuple) -> None:
@@ -329,9 +351,15 @@ class EngineClient:
             ready = dict(poller.poll(200))
             poller.unregister(process.sentinel)
             if self._events in ready:
+                self._last_word = time.monotonic()
                 self._on_event(self._events.recv_pyobj())
             elif process.sentinel in ready and not self._stopping.is_set():
                 self._replace(process)
+            elif not self._stopping.is_set() and time.monotonic() - self._last_word > ENGINE_SILENCE_S:
+                silent = time.monotonic() - self._last_word
+                log.error("the engine process (pid %s) sent nothing for %.1fs; killing it", process.pid, silent)
+                process.kill()  # works on a stopped process too
+                self._replace(process, f"the engine process sent nothing for {silent:.1f}s and was killed")
             elif self._stopping.is_set() and not process.is_alive() and not self._events.poll(0):
                 return  # the engine process is gone and everything it sent is read
 
@@ -339,6 +367,8 @@ class EngineClient:
         kind = event[0]
         if kind == "out":
             self._call(self._dispatch, event[1])
+        elif kind == "beat":
+            pass  # its arrival is the point
         elif kind == "status":
             self._status = event[1]
         elif kind == "ready":
@@ -346,10 +376,11 @@ class EngineClient:
             self._facts = facts if ready else self._facts  # GetModelInfo keeps answering, as in-process
             self._set_ready(ready, "" if ready else reason)
 
-    def _replace(self, process: mp.process.BaseProcess) -> None:
-        """The engine process died: fail what it held, then start another (its data plane re-attaches)."""
+    def _replace(self, process: mp.process.BaseProcess, reason: str | None = None) -> None:
+        """The engine process died (or was killed): fail what it held, then start another (its data
+        plane re-attaches)."""
         process.join(1.0)  # its sentinel fired: reap it, so that exitcode is known
-        reason = f"the engine process exited with code {process.exitcode}"
+        reason = reason or f"the engine process exited with code {process.exitcode}"
         log.error("%s; starting a new one", reason)
         self._status = EngineStatus(0, 0, 0, 0, False)
         self._set_ready(False, reason)

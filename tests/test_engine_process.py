@@ -61,6 +61,36 @@ def test_killed_engine_process_gives_unavailable_then_the_service_recovers(tiny_
         server.close()
 
 
+def test_frozen_engine_process_is_killed_and_replaced(tiny_models, embedded_tokens, engine_process):
+    """An engine process that is alive but silent (SIGSTOP here; a call holding its GIL looks the same)
+    would hold every stream forever: after ENGINE_SILENCE_S without a beat it is killed, the open
+    streams end with UNAVAILABLE and a new engine process serves."""
+    from controlplane.engine_process import ENGINE_SILENCE_S
+
+    server = Server(tiny_models["qwen3"], 1)
+    try:
+        [victim] = engine_processes(server)
+        error = kill_mid_stream(server, victim, freeze=True, within_s=ENGINE_SILENCE_S + 10)
+        assert "engine process sent nothing" in error.details()
+        assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+        assert greedy(server, prompts()[0]) == embedded_tokens[0]
+    finally:
+        server.close()
+
+
+def test_frozen_rank_is_replaced(tiny_models, embedded_tokens, engine_process):
+    """A stopped rank cannot read the control plane's Shutdown: serve's supervisor stops its data plane
+    once it has been lost for LOST_GRACE_S and starts another, rather than wait for as long as it hangs."""
+    server = Server(tiny_models["qwen3"], 1)
+    try:
+        victim = server.ranks()[-1]  # as in test_killed_rank_gives_unavailable_then_the_service_recovers
+        kill_mid_stream(server, victim, freeze=True)
+        assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+        assert greedy(server, prompts()[0]) == embedded_tokens[0]
+    finally:
+        server.close()
+
+
 def test_killed_rank_gives_unavailable_then_the_service_recovers(tiny_models, embedded_tokens, engine_process):
     server = Server(tiny_models["qwen3"], 1)
     try:

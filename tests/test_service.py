@@ -87,9 +87,11 @@ def test_streams_equal_the_embedded_engine(tiny_models, embedded_tokens, tp, eng
         server.close()
 
 
-def kill_mid_stream(server: Server, victim: psutil.Process) -> grpc.RpcError:
-    """Open a long stream and kill `victim` once tokens flow: the stream must end with UNAVAILABLE
-    within seconds and the service say SERVING again. Returns the stream's error."""
+def kill_mid_stream(server: Server, victim: psutil.Process, freeze: bool = False,
+                    within_s: float = 15) -> grpc.RpcError:
+    """Open a long stream and kill `victim` (or stop it with SIGSTOP: `freeze`) once tokens flow: the
+    stream must end with UNAVAILABLE within `within_s` seconds and the service say SERVING again.
+    Returns the stream's error."""
     errors: list[grpc.RpcError] = []
     started = threading.Event()
 
@@ -104,10 +106,10 @@ def kill_mid_stream(server: Server, victim: psutil.Process) -> grpc.RpcError:
     t.start()
     assert started.wait(60), errors
     killed_at = time.monotonic()
-    victim.kill()
-    t.join(30)
+    victim.suspend() if freeze else victim.kill()
+    t.join(within_s + 15)
     assert not t.is_alive() and errors, "the open stream did not end"
-    assert errors[0].code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed_at < 15
+    assert errors[0].code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed_at < within_s
     wait_serving(server.client, server.proc, timeout=120)
     return errors[0]
 
