@@ -130,4 +130,26 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(_wrap_unary(method, handler.unary_unary), **common)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(_wrap_stream(method, handler.unary_stream), **common)
-        return handler  # client-streaming kinds: none in this API
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            return grpc.stream_stream_rpc_method_handler(_wrap_bidi(method, handler.stream_stream), **common)
+        return handler  # other kinds (client streaming): none on this server
+
+
+def _wrap_bidi(method: str, behaviour: Callable) -> Callable:
+    """A bidirectional stream (server reflection): an unparsable request in the stream ends it."""
+    async def bidi(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        async def parsed() -> AsyncIterator:
+            async for request in requests:
+                if isinstance(request, _Unparsable):
+                    await _refuse_unparsable(context, request)
+                yield request
+
+        try:
+            async for response in behaviour(parsed(), context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, method, exc)
+
+    return bidi

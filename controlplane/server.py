@@ -223,7 +223,8 @@ class GenerationServer:
 
     async def start(self) -> int:
         """Bind, start serving and start the engine thread; returns the bound port."""
-        server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor(f"/{SERVICE}/")], options=self.options)
+        # Every service: health and reflection too answer a body that does not parse with INVALID_ARGUMENT.
+        server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=self.options)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, self.tokenizer, self.model_name),
                                                  server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

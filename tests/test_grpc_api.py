@@ -361,6 +361,13 @@ def test_garbage_bytes_and_unknown_fields(server, client):
         request = pb.GenerateRequest(text="the", sampling=pb.SamplingParams(max_tokens=3)).SerializeToString()
         replies = list(raw(request + b"\x98\x06\x01"))
         assert pb.GenerateResponse.FromString(replies[-1]).finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        # Health and reflection too: INVALID_ARGUMENT, not UNKNOWN (and no traceback in the log).
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        err = rpc_error(lambda: check(b"\xff\xfe\x00garbage"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in err.details()
+        reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        err = rpc_error(lambda: list(reflect(iter([b"\xff\xfe\x00garbage"]))))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in err.details()
     assert len(client.generate_text("the quick", max_tokens=3, ignore_eos=True)) > 0
     wait_idle(client)
 
