@@ -51,6 +51,8 @@ DEFAULT_SERVER_OPTIONS: list[tuple[str, object]] = [
 ]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# At shutdown, the time the streams still open after the grace get to send the engine's status.
+_CLOSING_S = 3.0
 FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
                   FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 
@@ -255,11 +257,22 @@ class GenerationServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """Refuse new calls, give running ones `grace` seconds, then stop the engine."""
+        """Refuse new calls, give running ones `grace` seconds, then stop the engine, which ends the
+        streams still open with UNAVAILABLE "the server is shutting down"."""
         await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        if self.server is not None and grace:
+            # gRPC would cancel what is still running when the grace ends, with its own words (and a
+            # traceback a call in the log). So the engine stops first: off the event loop, since
+            # its shutdown blocks, and the handlers must still run to send the status it gives them.
+            stopping = asyncio.ensure_future(self.server.stop(grace + _CLOSING_S))
+            await asyncio.wait([stopping], timeout=grace)
+            await loop.run_in_executor(None, self.engine.shutdown)
+            await stopping
+            return
         if self.server is not None:
             await self.server.stop(grace)
-        self.engine.shutdown()
+        await loop.run_in_executor(None, self.engine.shutdown)
 
     async def wait_for_termination(self) -> None:
         if self.server is not None:

@@ -36,11 +36,13 @@ class FlakyDataPlane:
     def __init__(self, inner: LocalDataPlane):
         self.inner, self.fail = inner, False
         self.error: type[Exception] = ConnectionError
+        self.delay = 0.0  # seconds each step takes longer (a slow data plane)
 
     def start(self):
         return self.inner.start()
 
     def execute(self, desc):
+        time.sleep(self.delay)
         result = self.inner.execute(desc)  # the rank computed the step; only the answer is lost
         if self.fail:
             raise self.error("rank 0 stopped answering")
@@ -81,8 +83,8 @@ class ServerThread:
         self.restarts += 1
         return Engine(old.config, old.data_plane, tuple(old.scheduler.eos_token_ids))
 
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(1), self.loop).result(30)
+    def stop(self, grace: float = 1.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
@@ -370,6 +372,29 @@ def test_garbage_bytes_and_unknown_fields(server, client):
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in err.details()
     assert len(client.generate_text("the quick", max_tokens=3, ignore_eos=True)) > 0
     wait_idle(client)
+
+
+def test_streams_open_at_shutdown_are_told_why_they_end(model, caplog):
+    """Streams still running when the shutdown grace ends get UNAVAILABLE "the server is shutting
+    down" from the server, not gRPC's cancellation, and the log gets no traceback for them."""
+    s = ServerThread(model, flaky=True)
+    s.plane.delay = 0.05  # a generation of 100 tokens outlasts the grace
+    errors: list[grpc.RpcError] = []
+    try:
+        with Client(s.address) as c:
+            streams = [c.generate(p, max_tokens=100, ignore_eos=True) for p in PROMPTS[:2]]
+            for stream in streams:
+                next(stream)
+            stopped_at = time.monotonic()
+            s.stop(grace=0.3)
+            for stream in streams:
+                errors.append(rpc_error(lambda stream=stream: list(stream)))
+    finally:
+        s.loop.call_soon_threadsafe(s.loop.stop)
+    assert time.monotonic() - stopped_at < 10
+    for err in errors:
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def wait_health(client: Client, want: str, timeout: float = 5.0) -> None:
