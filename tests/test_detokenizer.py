@@ -133,6 +133,31 @@ def test_first_completed_stop_wins():
     assert m.matched == "bc"
 
 
+def reference_release(text: str, stops: list[str]) -> tuple[str, str]:
+    """(text before the stop that completes first, the rest held back), by brute force over prefixes."""
+    ends = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    if ends:
+        return text[:min(ends)[1]], ""
+    keep = max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:n])),
+               default=0)
+    return text[:len(text) - keep], text[len(text) - keep:]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("ab", min_size=1, max_size=6), min_size=1, max_size=4),
+       st.lists(st.text("abc", max_size=5), max_size=12))
+def test_held_back_text_is_the_longest_tail_that_may_start_a_stop(stops, chunks):
+    """After every push, what was released and what is held equal a brute-force cut of the text so far."""
+    m, released, text = StopMatcher(stops), "", ""
+    for chunk in chunks:
+        released += m.push(chunk)
+        text += chunk
+        want_out, want_held = reference_release(text, stops)
+        assert released == want_out and (m.stopped or m.held == want_held)
+        if m.stopped:
+            break
+
+
 def test_empty_stop_string_is_refused():
     with pytest.raises(ValueError, match="empty"):
         StopMatcher(["ok", ""])
