@@ -278,25 +278,46 @@ class AsyncEngine:
                     self._cond.wait(IDLE_RETRY_S)
                 commands, self._inbox = self._inbox, []
                 stopping = self._stopping
-            for command in commands:
-                self._apply(command, deliveries)
-            if stopping:
-                self._drop_all("the server is shutting down", deliveries)
-            if not stopping and self._recover_wait_s() == 0.0:
-                self._try_recover()
             idle_retry = False
-            if not stopping and self._ready and self.engine.has_work():
-                idle_retry = not self._step(deliveries)
-            status, self._status = self._status, self._snapshot()
-            if self._on_status is not None and status != self._status:
-                self._on_status(self._status)
-            # A step's tokens wait until the next step has been sent (engine.step's on_queued): waking
-            # the event loop makes this thread wait for the GIL, which between a result and the next
-            # descriptor leaves the GPU idle. Sent now if no next step is coming.
-            if deliveries and (stopping or idle_retry or not self._ready or not self.engine.has_work()):
-                self._hand_over(deliveries)
+            try:
+                for command in commands:
+                    self._apply(command, deliveries)
+                if stopping:
+                    self._drop_all("the server is shutting down", deliveries)
+                if not stopping and self._recover_wait_s() == 0.0:
+                    self._try_recover()
+                if not stopping and self._ready and self.engine.has_work():
+                    idle_retry = not self._step(deliveries)
+                status, self._status = self._status, self._snapshot()
+                if self._on_status is not None and status != self._status:
+                    self._on_status(self._status)
+                # A step's tokens wait until the next step has been sent (engine.step's on_queued): waking
+                # the event loop makes this thread wait for the GIL, which between a result and the next
+                # descriptor leaves the GPU idle. Sent now if no next step is coming.
+                if deliveries and (stopping or idle_retry or not self._ready or not self.engine.has_work()):
+                    self._hand_over(deliveries)
+            except Exception as exc:  # a bug: this thread must not die with streams waiting on it
+                self._survive(exc, deliveries)
             if stopping:
                 return
+
+    def _survive(self, exc: Exception, deliveries: list) -> None:
+        """After an unexpected error in the loop: end every open stream with DataPlaneUnavailable and
+        treat the data plane as lost, so that the next attach starts from a fresh Engine."""
+        log.exception("the engine loop failed; ending its streams and re-attaching the data plane")
+        reason = f"the engine failed: {type(exc).__name__}: {exc}"
+        try:
+            self._set_unready(reason, deliveries)
+        except Exception:  # the engine cannot even abort its requests: end the streams regardless
+            log.exception("dropping the requests failed too")
+            deliveries.extend((stream, DataPlaneUnavailable(reason)) for stream in self._seq_of)
+            self._seq_of.clear()
+            self._stream_of.clear()
+        try:
+            self._hand_over(deliveries)
+        except Exception:
+            log.exception("the streams could not be told")
+            deliveries.clear()
 
     def _step(self, deliveries: list) -> bool:
         """One engine step; returns whether it made progress (ran rows or has a step in flight)."""

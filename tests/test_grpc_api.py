@@ -434,6 +434,34 @@ def test_data_plane_failure_and_recovery(model, error, caplog):
         s.stop()
 
 
+def test_a_bug_in_the_engine_loop_ends_the_streams_instead_of_the_thread(model, caplog):
+    """An unexpected error in the engine thread's loop (here its status snapshot raises once) must
+    not kill the thread with streams waiting on it: they end with UNAVAILABLE, the error is logged with
+    its traceback, and the engine re-attaches and serves again."""
+    s = ServerThread(model, flaky=True)
+    engine = s.server.engine
+    try:
+        with Client(s.address) as c:
+            stream = c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True, timeout=30)  # no hang if it breaks
+            next(stream)
+            snapshot = engine._snapshot
+
+            def broken():
+                engine._snapshot = snapshot  # once
+                raise RuntimeError("a bug")
+
+            engine._snapshot = broken
+            err = rpc_error(lambda: list(stream))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the engine failed: RuntimeError: a bug" in err.details()
+            assert any(r.levelname == "ERROR" and r.exc_info for r in caplog.records)
+            wait_health(c, "SERVING")
+            assert s.restarts == 1 and engine._thread.is_alive()
+            assert len([t for ch in c.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
+    finally:
+        s.stop()
+
+
 def test_readiness_pushed_by_transport(server, client):
     """set_data_plane_ready: the push-style hook (e.g. a heartbeat lost while idle, then regained)."""
     server.server.engine.set_data_plane_ready(False, "rank 1 missed its heartbeats")
