@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from timing import BANDWIDTH, MATMUL_FLOPS, time_graph  # noqa: E402
+from timing import BANDWIDTH, MATMUL_FLOPS, median_ms, time_graph  # noqa: E402
 
 import kernels  # noqa: E402
 from models.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
@@ -127,15 +127,7 @@ def check(name: str, inputs: Inputs, layer_fn, layers) -> list[float]:
 def time_eager(fn, reps: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_ms(fn, reps)
 
 
 def floor_ms(rows: int) -> float:

@@ -36,11 +36,16 @@ def time_graph(fn, reps: int = 30) -> float:
         fn()
     for _ in range(3):
         graph.replay()
+    return median_ms(graph.replay, reps)
+
+
+def median_ms(fn, reps: int) -> float:
+    """Median ms of `reps` calls of `fn` on the GPU's clock (CUDA events around each call)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(reps):
         start.record()
-        graph.replay()
+        fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))

@@ -92,18 +92,24 @@ def _wrap_unary(method: str, behaviour: Callable[..., Awaitable]) -> Callable[..
     return unary
 
 
+async def _relay(method: str, responses: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+    """A streaming handler's responses, its exceptions turned into statuses."""
+    try:
+        async for response in responses:
+            yield response
+    except grpc.aio.AbortError:
+        raise  # the handler chose its status itself
+    except Exception as exc:
+        await _abort(context, method, exc)
+
+
 def _wrap_stream(method: str, behaviour: Callable) -> Callable:
     if inspect.isasyncgenfunction(behaviour):
         async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
             if isinstance(request, _Unparsable):
                 await _refuse_unparsable(context, request)
-            try:
-                async for response in behaviour(request, context):
-                    yield response
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:
-                await _abort(context, method, exc)
+            async for response in _relay(method, behaviour(request, context), context):
+                yield response
 
         return stream
     return _wrap_unary(method, behaviour)  # a coroutine that writes with context.write()
@@ -144,12 +150,7 @@ def _wrap_bidi(method: str, behaviour: Callable) -> Callable:
                     await _refuse_unparsable(context, request)
                 yield request
 
-        try:
-            async for response in behaviour(parsed(), context):
-                yield response
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _abort(context, method, exc)
+        async for response in _relay(method, behaviour(parsed(), context), context):
+            yield response
 
     return bidi

@@ -260,19 +260,16 @@ class GenerationServer:
         """Refuse new calls, give running ones `grace` seconds, then stop the engine, which ends the
         streams still open with UNAVAILABLE "the server is shutting down"."""
         await self.health.enter_graceful_shutdown()
-        loop = asyncio.get_running_loop()
-        if self.server is not None and grace:
+        stopping = None
+        if self.server is not None:
             # gRPC would cancel what is still running when the grace ends, with its own words (and a
             # traceback a call in the log). So the engine stops first: off the event loop, since
             # its shutdown blocks, and the handlers must still run to send the status it gives them.
-            stopping = asyncio.ensure_future(self.server.stop(grace + _CLOSING_S))
-            await asyncio.wait([stopping], timeout=grace)
-            await loop.run_in_executor(None, self.engine.shutdown)
+            stopping = asyncio.ensure_future(self.server.stop(grace + _CLOSING_S if grace else grace))
+            await asyncio.wait([stopping], timeout=grace or None)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+        if stopping is not None:
             await stopping
-            return
-        if self.server is not None:
-            await self.server.stop(grace)
-        await loop.run_in_executor(None, self.engine.shutdown)
 
     async def wait_for_termination(self) -> None:
         if self.server is not None:
