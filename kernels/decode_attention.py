@@ -40,28 +40,15 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, seq_order_ptr,
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2e, num_splits,
-    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+def _attend(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2e, num_splits,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, seq, kv_head, split,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
-    if HEADS_FASTEST:
-        kv_head = tl.program_id(0)
-        seq = tl.program_id(1)
-    else:
-        seq = tl.program_id(0)
-        kv_head = tl.program_id(1)
-    if HAS_ORDER:
-        # Programs start in grid order: handing out the longest contexts first keeps one long
-        # sequence from running alone at the end of the launch.
-        seq = tl.load(seq_order_ptr + seq)
-    split = tl.program_id(2)
+    """One (sequence, KV head, split): its GQA group's queries over the split's keys."""
     ctx = tl.load(context_lens_ptr + seq)
     # Per-sequence split length, tile-aligned: short sequences leave trailing splits empty (cheap
     # exits) instead of spreading a few keys over many programs.
@@ -113,6 +100,34 @@ def _decode_split_kernel(
         tl.store(part_m_ptr + row_ml, m, mask=g_mask)
         tl.store(part_l_ptr + row_ml, l_sum, mask=g_mask)
         tl.store(part_acc_ptr + row_ml[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, seq_order_ptr,
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2e, num_splits,
+    stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_prologue(USE_PDL)
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    if HAS_ORDER:
+        # Programs start in grid order: handing out the longest contexts first keeps one long
+        # sequence from running alone at the end of the launch.
+        seq = tl.load(seq_order_ptr + seq)
+    _attend(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+            out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2e, num_splits,
+            stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, seq, kv_head, tl.program_id(2),
+            NUM_Q_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, DIRECT, BLOCK_G, BLOCK_D, BLOCK_N, PREC)
 
 
 @triton.jit
