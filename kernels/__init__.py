@@ -12,7 +12,6 @@ __all__ = [
     "apply_rotary",
     "combine_partials",
     "paged_decode_attention",
-    "paged_decode_attention_packed",
     "paged_prefill_attention",
     "qkv_prologue",
     "rms_norm",
@@ -25,7 +24,7 @@ __all__ = [
 
 if importlib.util.find_spec("triton") is not None:
     from kernels.activation import silu_and_mul
-    from kernels.decode_attention import paged_decode_attention, paged_decode_attention_packed
+    from kernels.decode_attention import paged_decode_attention
     from kernels.prefill_attention import paged_prefill_attention
     from kernels.qkv_prologue import qkv_prologue
     from kernels.rmsnorm import rms_norm

@@ -40,51 +40,15 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _norm_rotate_rows(row_ptr, heads, h_mask, w_ptr, cs_ptr, eps,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Heads `heads` of one token's packed projection row: per-head RMSNorm (HAS_NORM), then the
-    rotary embedding at the cos/sin row `cs_ptr`, rounded as the QKV prologue rounds: [heads, D]."""
-    OUT = row_ptr.dtype.element_ty
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    # Each element's rotary partner: the other half's element at the same offset.
-    partner = tl.where(d < HALF, d + HALF, d - HALF)
-    mask = h_mask[:, None] & d_mask[None, :]
-    base = row_ptr + heads[:, None] * HEAD_DIM
-    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        r = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-        w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        x = (w * (x * r).to(OUT).to(tl.float32)).to(OUT).to(tl.float32)
-        xp = (wp * (xp * r).to(OUT).to(tl.float32)).to(OUT).to(tl.float32)
-    half_d = d % HALF
-    cos = tl.load(cs_ptr + half_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + HALF + half_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    # First half: x1 cos - x2 sin; second half: x2 cos + x1 sin.
-    sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
-    return (x * cos + sign * (xp * sin)).to(OUT)
-
-
-@triton.jit
 def _attend(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2e, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, seq, kv_head, split,
-    positions_ptr, cos_sin_ptr, stride_c, q_norm_ptr, k_norm_ptr, eps, slot_ptr,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    PACKED: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
 ):
-    """One (sequence, KV head, split): its GQA group's queries over the split's keys.
-
-    PACKED: q_ptr is the QKV projection's output (q heads, k heads, v heads in one row) before the
-    q/k norm and rotary. The program applies them to its queries; the split that holds the
-    sequence's newest token also rotates that token's key, stores its K/V at slot_ptr[seq] (the
-    QKV prologue's job otherwise) and takes it from registers instead of the cache."""
+    """One (sequence, KV head, split): its GQA group's queries over the split's keys."""
     ctx = tl.load(context_lens_ptr + seq)
     # Per-sequence split length, tile-aligned: short sequences leave trailing splits empty (cheap
     # exits) instead of spreading a few keys over many programs.
@@ -97,28 +61,8 @@ def _attend(
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    if PACKED:
-        row_ptr = q_ptr + seq.to(tl.int64) * stride_qb
-        cs_ptr = cos_sin_ptr + tl.load(positions_ptr + seq).to(tl.int64) * stride_c
-        q = _norm_rotate_rows(row_ptr, heads, g_mask, q_norm_ptr, cs_ptr, eps, HEAD_DIM, BLOCK_D, HAS_NORM)
-        newest = (end == ctx) & (start < ctx)
-        one = tl.arange(0, 1)
-        k_new = _norm_rotate_rows(row_ptr + NUM_Q_HEADS * HEAD_DIM, kv_head + one, one < newest.to(tl.int32),
-                                  k_norm_ptr, cs_ptr, eps, HEAD_DIM, BLOCK_D, HAS_NORM)
-        v_row = row_ptr + (NUM_Q_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-        # (Masks from integer bounds: the interpreter refuses a scalar bool combined with a tensor.)
-        v_new = tl.load(v_row + d[None, :] + one[:, None], mask=(d < tl.where(newest, HEAD_DIM, 0))[None, :],
-                        other=0.0)
-        # A slot of -1 marks a CUDA-graph padding row: it must leave the cache untouched.
-        slot = tl.where(newest, tl.load(slot_ptr + seq).to(tl.int64), -1)
-        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :] + one[:, None]
-        store_mask = (d < tl.where(slot >= 0, HEAD_DIM, 0))[None, :]
-        tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
-        tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
-        end = tl.where(newest, end - 1, end)
-    else:
-        q_off = seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q_off = seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
@@ -142,17 +86,6 @@ def _attend(
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
-    if PACKED:
-        # The newest token, last in the online softmax as it is last in the cache.
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2e
-        s_new = tl.where(newest, s_new, float("-inf"))
-        m_new = tl.where(newest, tl.maximum(m, s_new), m)
-        alpha = tl.where(newest, tl.exp2(m - m_new), 1.0)
-        p = tl.where(newest, tl.exp2(s_new - m_new), 0.0)
-        l_sum = l_sum * alpha + p
-        p_round = p.to(v_new.dtype).to(tl.float32)
-        acc = acc * alpha[:, None] + p_round[:, None] * v_new.to(tl.float32)
-        m = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if DIRECT:
@@ -175,12 +108,10 @@ def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2e, num_splits,
     stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
-    positions_ptr, cos_sin_ptr, stride_c, q_norm_ptr, k_norm_ptr, eps, slot_ptr,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, HAS_ORDER: tl.constexpr, PACKED: tl.constexpr, HAS_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
@@ -196,9 +127,7 @@ def _decode_split_kernel(
     _attend(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
             out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2e, num_splits,
             stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, seq, kv_head, tl.program_id(2),
-            positions_ptr, cos_sin_ptr, stride_c, q_norm_ptr, k_norm_ptr, eps, slot_ptr,
-            NUM_Q_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, DIRECT, BLOCK_G, BLOCK_D, BLOCK_N, PREC,
-            PACKED, HAS_NORM)
+            NUM_Q_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, DIRECT, BLOCK_G, BLOCK_D, BLOCK_N, PREC)
 
 
 @triton.jit
@@ -251,19 +180,7 @@ def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _check(q, k_cache, v_cache, block_tables, context_lens, seq_order, out) -> None:
-    assert q.dim() == 3 and q.stride(-1) == 1, "q must be [B, H_q, D] with unit-stride last dim"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
-    assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
-    assert block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
-    assert context_lens.shape == (q.shape[0],)
-    assert seq_order is None or (seq_order.shape == (q.shape[0],) and seq_order.dtype == torch.int32)
-    assert out.shape == q.shape and out.stride(-1) == 1 and out.dtype == q.dtype
-
-
-def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning, seq_order,
-                   packed=None):
+def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning, seq_order):
     tune = TUNING if not tuning else {**TUNING, **tuning}
     batch, num_q_heads, head_dim = q.shape
     if batch > 65535:  # a CUDA grid's second axis stops there; the first goes to 2**31 - 1
@@ -284,24 +201,16 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, 
         part_l = _workspace((batch, num_q_heads, num_splits), q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (num_kv_heads, batch, num_splits) if tune["heads_fastest"] else (batch, num_kv_heads, num_splits)
-    if packed is None:
-        positions = cos_sin = q_norm = k_norm = slots = context_lens  # placeholders: PACKED=False drops them
-        eps, has_norm = 0.0, False
-    else:
-        positions, cos_sin, q_norm, k_norm, eps, slots = packed
-        has_norm = q_norm is not None
-        q_norm, k_norm = (q_norm, k_norm) if has_norm else (cos_sin, cos_sin)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, context_lens if seq_order is None else seq_order,
         out, part_acc, part_m, part_l, scale * 1.4426950408889634, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        positions, cos_sin, cos_sin.stride(0), q_norm, k_norm, eps, slots,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim,
         PAGE_SIZE=page_size, DIRECT=direct,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tune["block_n"],
         PREC="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FASTEST=tune["heads_fastest"],
-        HAS_ORDER=seq_order is not None, PACKED=packed is not None, HAS_NORM=has_norm,
-        num_warps=tune["num_warps"], num_stages=tune["num_stages"], **pdl_args(q.device),
+        HAS_ORDER=seq_order is not None, num_warps=tune["num_warps"], num_stages=tune["num_stages"],
+        **pdl_args(q.device),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -334,49 +243,17 @@ def paged_decode_attention(
     TUNING (tests, benchmarks). `seq_order` ([B] int32, a permutation of the rows) is the order in
     which rows are handed to programs: longest context first evens out the end of the launch.
     """
+    assert q.dim() == 3 and q.stride(-1) == 1, "q must be [B, H_q, D] with unit-stride last dim"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
+    assert q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
+    assert block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0]
+    assert context_lens.shape == (q.shape[0],)
+    assert seq_order is None or (seq_order.shape == (q.shape[0],) and seq_order.dtype == torch.int32)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _check(q, k_cache, v_cache, block_tables, context_lens, seq_order, out)
+    assert out.shape == q.shape and out.stride(-1) == 1 and out.dtype == q.dtype
     if q.shape[0] == 0:
         return out
     return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, tuning,
                           seq_order)
-
-
-def paged_decode_attention_packed(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    num_q_heads: int,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    num_splits: int | None = None,
-    seq_order: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`qkv_prologue` and `paged_decode_attention` in one launch: decode attention straight from the
-    QKV projection's output [B, (H_q + 2 H_kv) * D] (arguments as those two ops take them; the
-    context lengths count this step's token, whose K/V this stores at slot_mapping). Saves a decode
-    step one kernel a layer; q is not written back into `qkv`. Returns [B, H_q, D]."""
-    batch = qkv.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    assert qkv.dim() == 2 and qkv.stride(-1) == 1 and qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim
-    assert cos_sin_cache.dim() == 2 and cos_sin_cache.stride(-1) == 1 and cos_sin_cache.shape[1] == head_dim
-    assert head_dim % 2 == 0 and positions.shape == (batch,) and slot_mapping.shape == (batch,)
-    assert (q_weight is None) == (k_weight is None)
-    q = qkv[:, : num_q_heads * head_dim].view(batch, num_q_heads, head_dim)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _check(q, k_cache, v_cache, block_tables, context_lens, seq_order, out)
-    if batch == 0:
-        return out
-    return _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, num_splits, None, seq_order,
-                          (positions, cos_sin_cache, q_weight, k_weight, eps, slot_mapping))

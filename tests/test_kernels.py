@@ -25,7 +25,6 @@ import kernels.decode_attention as decode_module  # noqa: E402
 from kernels import (  # noqa: E402
     apply_rotary,
     paged_decode_attention,
-    paged_decode_attention_packed,
     paged_prefill_attention,
     qkv_prologue,
     rms_norm,
@@ -285,57 +284,6 @@ def test_qkv_prologue(dtype, hq, hkv, d, with_norm):
     check_qkv_prologue(11, hq, hkv, d, dtype, with_norm)
 
 
-def check_decode_packed(ctx_lens, hq, hkv, d, dtype, with_norm, num_splits=None, page=16, tol=None,
-                        ordered=False):
-    """The fused prologue + decode attention against qkv_prologue then paged_decode_attention: same
-    output, same K/V stored at each row's newest slot, nothing else in the cache touched, qkv intact."""
-    k_cache, v_cache, tables = paged_cache(ctx_lens, page, hkv, d, dtype)
-    lens = i32(ctx_lens)
-    # Each row's newest token sits at position ctx - 1 of its own pages; ctx 0 is a graph padding row.
-    slots = torch.tensor([int(tables[b, (n - 1) // page]) * page + (n - 1) % page if n else -1
-                          for b, n in enumerate(ctx_lens)], device=DEV)
-    positions = torch.tensor([max(n - 1, 0) for n in ctx_lens], device=DEV)
-    cos_sin = rope_cache(d, max(ctx_lens) + 1)
-    width = (hq + 2 * hkv) * d
-    qkv = torch.randn(len(ctx_lens), width + 8, device=DEV).to(dtype)[:, :width]
-    weights = [(1 + 0.1 * torch.randn(d, device=DEV)).to(dtype) for _ in range(2)] if with_norm else [None, None]
-    args = (positions, cos_sin, *weights, 1e-6, slots)
-    order = torch.argsort(lens, descending=True, stable=True).int() if ordered else None
-    exp_k, exp_v = k_cache.clone(), v_cache.clone()
-    q = qkv_prologue(qkv.clone(), *args, exp_k, exp_v, hq, hkv)
-    expected = paged_decode_attention(q, exp_k, exp_v, tables, lens, d**-0.5, num_splits=num_splits)
-    before = qkv.clone()
-    got_k, got_v = k_cache.clone(), v_cache.clone()
-    out = paged_decode_attention_packed(qkv, *args, got_k, got_v, hq, tables, lens, d**-0.5, num_splits=num_splits,
-                                        seq_order=order)
-    tol = tol or TOL[dtype]
-    assert out.shape == (len(ctx_lens), hq, d) and rel_err(out, expected) < tol
-    assert torch.equal(qkv, before)
-    kept = slots[slots >= 0]
-    flat = lambda c: c.view(-1, hkv, d)  # noqa: E731
-    assert rel_err(flat(got_k)[kept], flat(exp_k)[kept]) < tol
-    assert torch.equal(flat(got_v)[kept], flat(exp_v)[kept])
-    others = torch.ones(flat(k_cache).shape[0], dtype=torch.bool, device=DEV)
-    others[kept] = False
-    assert torch.equal(flat(got_k)[others], flat(k_cache)[others])
-    assert torch.equal(flat(got_v)[others], flat(v_cache)[others])
-    for b, n in enumerate(ctx_lens):
-        if n == 0:
-            assert (out[b] == 0).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 128), (9, 3, 64), (2, 1, 80)])
-@pytest.mark.parametrize("with_norm", [False, True])
-@pytest.mark.parametrize("ctx_lens,num_splits,ordered", [
-    ([1, 37, 0, 130, 65], None, False),  # a one-token row: only the newest key, from registers
-    ([200, 1, 63, 64, 65], 3, True),  # the newest token at a split's first, last and middle place
-    ([0, 300, 17], 2, False),
-])
-def test_decode_packed(dtype, hq, hkv, d, with_norm, ctx_lens, num_splits, ordered):
-    check_decode_packed(ctx_lens, hq, hkv, d, dtype, with_norm, num_splits, ordered=ordered)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("intermediate", [64, 100, 1500])
 def test_silu_and_mul(dtype, intermediate):
@@ -469,16 +417,6 @@ def test_norm_rotary_store_gpu():
     slots = torch.randperm(k_cache.shape[0] * 16, device=DEV)[:t]
     store_kvcache(k, k, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(-1, hkv, d)[slots], k)
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,page,num_splits", [(256, 256, None), (37, 16, None), (3, 256, 4)])
-def test_decode_packed_gpu(batch, page, num_splits):
-    """bf16 at Qwen3-0.6B's heads, longest first, with the splits the heuristic picks and more."""
-    ctx_lens = torch.randint(1, 1025, (batch,)).tolist()
-    ctx_lens[batch // 2] = 0
-    check_decode_packed(ctx_lens, 16, 8, 128, torch.bfloat16, True, num_splits, page=page, ordered=True)
 
 
 @gpu

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from models.attention_backend import get_backend
 from models.context import get_context
-
-# Decode steps on the triton backend take the QKV prologue inside the attention kernel
-# (kernels.paged_decode_attention_packed): one launch a layer fewer. NANOPLANE_PACKED_DECODE=0 keeps
-# the two kernels (A/B runs).
-PACKED_DECODE = os.environ.get("NANOPLANE_PACKED_DECODE", "1") != "0"
 
 
 class Attention(nn.Module):
@@ -35,12 +28,7 @@ class Attention(nn.Module):
         weights are given), rotary and the cache store in one kernel, then attention -> [T, Hq, D]."""
         import kernels
 
-        ctx, backend = get_context(), get_backend()
-        if ctx.is_decode and PACKED_DECODE and backend.name == "triton":
-            return kernels.paged_decode_attention_packed(
-                qkv, positions, cos_sin_cache, q_weight, k_weight, eps, ctx.slot_mapping, self.k_cache,
-                self.v_cache, self.num_heads, ctx.block_tables, ctx.context_lens, self.scale,
-                seq_order=ctx.decode_order)
+        ctx = get_context()
         q = kernels.qkv_prologue(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, ctx.slot_mapping,
                                  self.k_cache, self.v_cache, self.num_heads, self.num_kv_heads)
-        return backend.attend(q, self.k_cache, self.v_cache, ctx, self.scale)
+        return get_backend().attend(q, self.k_cache, self.v_cache, ctx, self.scale)
