@@ -1,13 +1,13 @@
 """Would one persistent kernel for everything between two attentions make a decode step faster?
 
-    python benchmarks/fused_block.py [--batches 1 16 64 128 256]
+    python benchmarks/fused_block.py [--batches 1 16 64 128 256] [--programs 1 2]
 
 Between the attention of layer i and that of layer i + 1 a decode step runs seven kernels: o_proj,
 residual add + RMSNorm, gate_up, silu·mul, down, residual add + RMSNorm, and the next layer's QKV
 projection (the QKV prologue aside). Each is a few microseconds of fixed cost around little work
 (BENCHMARKS.md: the non-attention part of a step costs 0.6-1.1 ms against a ~0.3 ms floor, and
 neither retiling, L2 prefetch nor two streams moved it). This prototype does the seven in one
-launch of one program per SM: four GEMM phases separated by grid-wide barriers (a counter every
+launch of one or two programs an SM: four GEMM phases separated by grid-wide barriers (a counter every
 program adds to and waits on), the norms and the activation folded into the phases that read or
 write their operands. It times 28 such blocks (no attention) against the same math as the model
 runs it, checks they agree, and prints ms a step against the weight-read floor.
@@ -28,9 +28,9 @@ from timing import time_graph  # noqa: E402
 from kernels import rms_norm, silu_and_mul, skinny_gemm  # noqa: E402
 
 LAYERS, HIDDEN, QDIM, QKV, INTER, EPS = 28, 1024, 2048, 4096, 3072, 1e-6
-# On a CPU (TRITON_INTERPRET=1, --programs 1: the interpreter runs programs one after another, so
-# more than one would wait at the first barrier forever) it only checks the fused math.
-# fp32 there: the interpreter's dot of bf16 operands is not bf16 arithmetic.
+# On a CPU (TRITON_INTERPRET=1) it only checks the fused math, with one program a launch (the
+# interpreter runs programs one after another: with more, the first would wait at the barrier
+# forever) and in fp32 (the interpreter's dot of bf16 operands is not bf16 arithmetic).
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 
@@ -187,7 +187,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--programs", type=float, nargs="+", default=[1, 2],
-                    help="programs a launch, per SM (on a CPU: 1 program in all)")
+                    help="programs a launch, per SM (on a CPU: 1 program in all). All of a launch's "
+                         "programs must be resident at once for the barriers: more than 2 an SM may hang")
     ap.add_argument("--tilings", nargs="+", default=list(TILINGS), choices=list(TILINGS))
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
     ap.add_argument("--layers", type=int, default=LAYERS)
