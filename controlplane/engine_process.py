@@ -46,12 +46,13 @@ from typing import TYPE_CHECKING
 import zmq
 
 from controlplane import runtime_dir
-from controlplane.async_engine import AsyncEngine, EngineStatus, Output, Stream, read_stream, wait_for_free_id
+from controlplane.async_engine import AsyncEngine
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine, validate_request
 from controlplane.errors import DataPlaneUnavailable
 from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
+from controlplane.stream import EngineStatus, Output, Stream, read_stream, wait_for_free_id
 from proto.plane import PlaneInfo
 
 if TYPE_CHECKING:  # the engine process imports this module and needs no gRPC server

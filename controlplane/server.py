@@ -20,13 +20,14 @@ import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane.async_engine import AsyncEngine, Output
+from controlplane.async_engine import AsyncEngine
 from controlplane.config import EngineConfig
 from controlplane.detokenizer import TextStream
 from controlplane.engine import DataPlaneClient, Engine
 from controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
 from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
+from controlplane.stream import Output
 from controlplane.tokenizer import Tokenizer
 from proto.nanoplane.v1 import generation_pb2 as pb
 from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc

@@ -14,13 +14,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tiny_models import make_tiny_model
 
 from clients import AsyncClient, Client
-from controlplane.async_engine import REQUEST_ID_GRACE_S, wait_for_free_id
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
 from controlplane.llm import LLM
 from controlplane.sampling_params import SamplingParams
 from controlplane.server import SERVICE, build_server
+from controlplane.stream import REQUEST_ID_GRACE_S, wait_for_free_id
 from dataplane.config import DataPlaneConfig
 from dataplane.local import LocalDataPlane
 from proto.nanoplane.v1 import generation_pb2 as pb
@@ -225,7 +225,7 @@ def test_unimplemented_parameters_are_refused(stub, field, value):
 
 def test_duplicate_request_id(client, monkeypatch):
     # No grace for a cancelled holder of the id: the first stream (200 tokens) may end within it.
-    monkeypatch.setattr("controlplane.async_engine.REQUEST_ID_GRACE_S", 0.0)
+    monkeypatch.setattr("controlplane.stream.REQUEST_ID_GRACE_S", 0.0)
     first = client.generate(PROMPTS[0], request_id="dup", max_tokens=200, ignore_eos=True)
     assert next(first).request_id == "dup"
     err = rpc_error(lambda: list(client.generate(PROMPTS[1], request_id="dup", max_tokens=4)))
