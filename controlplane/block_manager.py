@@ -11,7 +11,7 @@ evicted least recently freed first).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 import xxhash
@@ -52,7 +52,10 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # Least recently freed first. An OrderedDict rather than a deque: reviving a cached block takes
+        # it out of the middle, which a deque does in O(free blocks) (80 ms a request whose 2k-token
+        # prefix is cached in 16-token blocks of a 1.1M-token cache) and this in O(1).
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.num_cache_hits = 0  # blocks reused from the prefix cache, for tests and metrics
 
@@ -95,7 +98,7 @@ class BlockManager:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                self.free_block_ids.remove(block_id)
+                del self.free_block_ids[block_id]
                 self.used_block_ids.add(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
@@ -106,7 +109,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def _take_free_block(self) -> int:
-        block_id = self.free_block_ids.popleft()
+        block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
@@ -123,7 +126,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.used_block_ids.remove(block_id)
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
