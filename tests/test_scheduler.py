@@ -7,11 +7,14 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.sampling_params import SamplingParams
-from controlplane.sequence import FinishReason
+from controlplane.scheduler import WaitQueue
+from controlplane.sequence import FinishReason, Sequence
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 VOCAB, EOS = 100, 0
@@ -237,3 +240,29 @@ def test_a_slot_freed_while_idle_is_freed_on_the_data_plane(model_dir):
     run(engine)
     assert b.slot == -1 and b.is_finished
     assert slot in dp.descriptors[1].free_slots.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "appendleft", "popleft", "remove"]), st.integers(0, 1000)),
+                max_size=80))
+def test_wait_queue_behaves_as_a_list(ops):
+    """WaitQueue (lazy removal) against a plain list: same order, ends, length and membership."""
+    queue, model = WaitQueue(), []
+    made = [Sequence([1], SamplingParams(), 16) for _ in range(len(ops))]
+    for (op, pick), seq in zip(ops, made, strict=True):
+        if op == "append":
+            queue.append(seq)
+            model.append(seq)
+        elif op == "appendleft":
+            queue.appendleft(seq)
+            model.insert(0, seq)
+        elif op == "popleft" and model:
+            assert queue.popleft() is model.pop(0)
+        elif op == "remove" and model:
+            victim = model.pop(pick % len(model))
+            queue.remove(victim)
+            assert victim not in queue
+        assert len(queue) == len(model) and bool(queue) == bool(model) and list(queue) == model
+        if model:
+            assert queue[0] is model[0] and queue[-1] is model[-1]
+        assert all(s in queue for s in model)
