@@ -32,8 +32,9 @@ class WaitQueue:
     """The requests waiting to be admitted, first in first out, with O(1) membership and removal.
 
     A deque's `in` and remove scan the queue: a client that dropped 50,000 queued requests held the
-    engine thread for 25 s. Here a removed request is only marked gone and skipped once it reaches
-    an end, so the head and the tail are always live, and len() counts live requests only.
+    engine thread for 26 s. Here a removed request is only marked gone, dropped once it reaches an
+    end or swept out when the gone outnumber the live, so the head and the tail are always live, and
+    len() counts live requests only.
     """
 
     __slots__ = ("_queue", "_live", "_gone")
@@ -61,6 +62,11 @@ class WaitQueue:
         self._live.remove(seq)  # KeyError, as deque.remove's ValueError, for a request not queued
         self._gone.add(seq)
         self._trim()
+        if len(self._gone) > max(len(self._live), 64):
+            # Gone requests behind a blocked head would pile up (with their token lists) for as long
+            # as it stays blocked: sweep them out once they outnumber the live ones (amortised O(1)).
+            self._queue = deque(s for s in self._queue if s not in self._gone)
+            self._gone.clear()
 
     def _trim(self) -> None:
         queue, gone = self._queue, self._gone

@@ -266,3 +266,16 @@ def test_wait_queue_behaves_as_a_list(ops):
         if model:
             assert queue[0] is model[0] and queue[-1] is model[-1]
         assert all(s in queue for s in model)
+
+
+def test_wait_queue_sweeps_out_what_was_removed_behind_a_live_head():
+    """Requests removed from the middle (the head never leaves: blocked) are not kept for ever."""
+    queue = WaitQueue()
+    seqs = [Sequence([1], SamplingParams(), 16) for _ in range(1000)]
+    for seq in seqs:
+        queue.append(seq)
+    for seq in seqs[1:-1]:  # every client but the oldest and the newest drops its request
+        queue.remove(seq)
+        assert len(queue._queue) <= 2 * max(len(queue), 64) + 1  # held entries stay bounded
+    assert list(queue) == [seqs[0], seqs[-1]] and len(queue) == 2
+    assert queue[0] is seqs[0] and queue[-1] is seqs[-1] and seqs[500] not in queue
