@@ -7,6 +7,8 @@
    hashed as after its prefill, then freed. At the GPU's cache size in 256-token blocks and at a
    CPU-sized block of 16 tokens (the same 1.1M tokens in 70,688 blocks).
 2. A client that drops its queued requests: 10,000 and 50,000 waiting requests aborted, newest first.
+3. A long request preempted under KV pressure waits at the head of the queue with its blocks cached
+   on the free list: the scheduler looks its prefix up again every step while another request runs.
 """
 
 import random
@@ -19,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from controlplane.block_manager import BlockManager  # noqa: E402
 from controlplane.sampling_params import SamplingParams  # noqa: E402
 from controlplane.scheduler import Scheduler  # noqa: E402
-from controlplane.sequence import FinishReason, Sequence  # noqa: E402
+from controlplane.sequence import FinishReason, Sequence, SequenceStatus  # noqa: E402
 
 
 def per_request_ms(num_blocks: int, block_size: int, requests: int = 50) -> tuple[float, int]:
@@ -56,6 +58,31 @@ def abort_all_s(waiting: int) -> float:
     return time.perf_counter() - start
 
 
+def blocked_head_step_ms(prompt_tokens: int, block_size: int, steps: int = 50) -> float:
+    """ms a schedule() step while a preempted `prompt_tokens`-token request waits for blocks."""
+    rng = random.Random(0)
+    spare = 64
+    scheduler = Scheduler(-(-prompt_tokens // block_size) + spare, block_size, 256, 1 << 30)
+    head = Sequence([rng.randrange(30000) for _ in range(prompt_tokens)], SamplingParams(max_tokens=10**6),
+                    block_size)
+    scheduler.add(head)
+    out = scheduler.schedule()
+    scheduler.advance(out)
+    scheduler.postprocess(out, [1])  # prefilled and hashed
+    scheduler.running.remove(head)
+    scheduler.preempt(head)  # its blocks go back to the free list, still cached
+    # Another request takes more blocks than the head could get back while it runs.
+    other = Sequence([1] * (block_size * (spare + 1) - 4), SamplingParams(max_tokens=10**6), block_size)
+    scheduler.block_manager.allocate(other, 0)
+    other.num_computed_tokens, other.slot, other.status = other.num_tokens, scheduler.free_slots.pop(), \
+        SequenceStatus.RUNNING
+    scheduler.running.append(other)
+    start = time.perf_counter()
+    for _ in range(steps):
+        assert scheduler.schedule().seqs == [other]
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def main() -> None:
     print("| blocks | block size | ms a request | cached blocks revived |")
     print("| --- | --- | --- | --- |")
@@ -67,6 +94,13 @@ def main() -> None:
     print("| --- | --- |")
     for waiting in (10_000, 50_000):
         print(f"| {waiting:,} | {abort_all_s(waiting):.2f} |")
+    print()
+    print("| preempted request at the head | block size | ms a schedule() step |")
+    print("| --- | --- | --- |")
+    for block_size in (16, 256):
+        for prompt_tokens in (8192, 32768, 131072):
+            ms = blocked_head_step_ms(prompt_tokens, block_size)
+            print(f"| {prompt_tokens:,} tokens | {block_size} | {ms:.3f} |")
 
 
 if __name__ == "__main__":

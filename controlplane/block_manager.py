@@ -68,13 +68,22 @@ class BlockManager:
         """Blocks held by live requests; free blocks that only cache a prefix do not count."""
         return len(self.used_block_ids)
 
+    def _block_hash(self, seq: Sequence, i: int, tokens: list[int], parent: int) -> int:
+        """Chain hash of seq's full block i (tokens), remembered on seq once its tokens are all known."""
+        if i < len(seq.block_hashes):
+            return seq.block_hashes[i]
+        h = chain_hash(tokens, parent)
+        if i == len(seq.block_hashes) and (i + 1) * self.block_size <= seq.num_known_tokens:
+            seq.block_hashes.append(h)
+        return h
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding a verified prefix of seq, leaving at least one token to compute."""
         hits: list[int] = []
         parent = NO_HASH
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block(i)
-            h = chain_hash(tokens, parent)
+            h = self._block_hash(seq, i, tokens, parent)
             block_id = self.hash_to_block_id.get(h)
             if block_id is None:
                 break
@@ -152,7 +161,7 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             tokens = seq.block(i)
-            h = chain_hash(tokens, parent)
+            h = self._block_hash(seq, i, tokens, parent)
             block.hash, block.parent_hash, block.token_ids = h, parent, tokens
             self.hash_to_block_id[h] = block.block_id
             parent = h

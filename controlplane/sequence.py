@@ -48,6 +48,9 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission (reported as usage)
         self.num_hashed_blocks = 0
+        # Chain hashes of its first full blocks, computed once: a full block's tokens never change, and
+        # a request waiting at the head of the queue looks its cached prefix up again every step.
+        self.block_hashes: list[int] = []
         self.slot = -1
         self.num_sent_blocks = 0
         self.num_pending = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import BlockManager, chain_hash
+from controlplane.block_manager import NO_HASH, BlockManager, chain_hash
 from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import Sequence
 
@@ -31,6 +31,11 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         assert (block.ref_count > 0) == (block.block_id in bm.used_block_ids)
     for h, b in bm.hash_to_block_id.items():
         assert bm.blocks[b].hash == h
+    for s in live:  # the hashes a sequence remembers are those of its blocks' current tokens
+        parent = NO_HASH
+        for i, h in enumerate(s.block_hashes):
+            assert h == chain_hash(s.block(i), parent)
+            parent = h
 
 
 # A workload: each op admits a prompt built from a few shared prefixes, grows, or frees a request.
