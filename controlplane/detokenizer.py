@@ -21,6 +21,11 @@ REPLACEMENT = "\ufffd"
 # Tokens of prompt kept as decoding context: enough for a decoder's leading-space rule and for a
 # multi-byte character split over byte tokens, small enough that each decode stays cheap.
 CONTEXT_TOKENS = 6
+# A character is at most 4 bytes, and an id that stays in the window decodes to at least one: text
+# still ending in U+FFFD after this many unsettled ids holds bytes that no later id can complete.
+# The last _UNSETTLED_KEEP ids stay unsettled, as they may yet complete one.
+_UNSETTLED_MAX = 16
+_UNSETTLED_KEEP = 8
 
 
 class Decoder(Protocol):
@@ -74,16 +79,32 @@ class IncrementalDetokenizer:
             # grows with them (quadratic in the output's length).
             del self.token_ids[self.read_offset:]
             return ""
+        if not final and full_text.endswith(REPLACEMENT) and len(self.token_ids) - self.read_offset > _UNSETTLED_MAX:
+            return self._settle_broken(prefix_text, full_text)
         if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT)):
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self._move_to(len(self.token_ids), full_text[len(prefix_text):])
+
+    def _settle_broken(self, prefix_text: str, full_text: str) -> str:
+        """The text has ended in U+FFFD for more ids than any character has bytes: its broken bytes
+        (a model looping on a stray UTF-8 byte) are final. Settle all but the last _UNSETTLED_KEEP
+        ids, if the text up to there is what the whole window decodes to at its start; otherwise
+        every push would decode a window that grows with the output (quadratic)."""
+        cut = len(self.token_ids) - _UNSETTLED_KEEP
+        cut_text = self._decode(self.token_ids[self.prefix_offset:cut])
+        if len(cut_text) <= len(prefix_text) or not full_text.startswith(cut_text):
+            return ""
+        return self._move_to(cut, cut_text[len(prefix_text):])
+
+    def _move_to(self, read_offset: int, text: str) -> str:
+        self.prefix_offset, self.read_offset = self.read_offset, read_offset
         # Only the window from prefix_offset is ever decoded again: drop what lies before it so a
         # long output does not keep a growing list.
         if self.prefix_offset > 64:
             del self.token_ids[:self.prefix_offset]
             self.read_offset -= self.prefix_offset
             self.prefix_offset = 0
-        return full_text[len(prefix_text):]
+        return text
 
 
 def _failure(stop: str) -> list[int]:

@@ -213,3 +213,22 @@ def test_ids_that_decode_to_nothing_do_not_grow_the_window(tok):
     pieces.append(detok.flush())
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == "the quick brown fox"
     assert longest < 70  # bounded by the window, not by the 1,800 empty ids
+
+
+def test_broken_bytes_settle_without_cutting_a_character(tok):
+    """A model looping on stray UTF-8 bytes keeps the text ending in U+FFFD: those bytes are final and
+    must settle (else every push decodes a window that grows with the output), yet a real multi-byte
+    character that follows, fed byte by byte, still comes out whole."""
+    byte_ids = byte_token_ids(tok)
+    stray = byte_ids[0x80]  # a continuation byte with no lead: U+FFFD for good
+    ids = [stray] * 300 + [byte_ids[b] for b in "🙂".encode()] + [stray] * 40 + [byte_ids[b] for b in "東é".encode()]
+    detok = IncrementalDetokenizer(tok)
+    pieces, longest = [], 0
+    for i in ids:
+        pieces.append(detok.push([i]))
+        longest = max(longest, len(detok.token_ids))
+    pieces.append(detok.flush())
+    assert "".join(pieces) == tok.decode(ids)
+    assert "🙂" in "".join(pieces) and "".join(pieces).endswith("東é")
+    assert sum(p.count(REPLACEMENT) for p in pieces[:300]) > 250  # settled as they came, not at the end
+    assert longest < 90
