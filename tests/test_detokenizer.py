@@ -49,6 +49,16 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> 
     return pieces
 
 
+def push_one_by_one(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], int]:
+    """Every piece (the flush's last) and the longest the window got."""
+    pieces, longest = [], 0
+    for i in ids:
+        pieces.append(detok.push([i]))
+        longest = max(longest, len(detok.token_ids))
+    pieces.append(detok.flush())
+    return pieces, longest
+
+
 def test_multibyte_characters_fed_byte_by_byte(tok):
     text = "héllo wörld ☃ 東京 🙂"
     byte_ids = byte_token_ids(tok)
@@ -205,12 +215,7 @@ def test_ids_that_decode_to_nothing_do_not_grow_the_window(tok):
     words = tok.encode("the quick brown fox", add_special_tokens=False)
     nothing = [tok.eos_token_id, VOCAB + 5, 10**6]
     ids = words[:2] + nothing * 300 + words[2:] + nothing * 300
-    detok = IncrementalDetokenizer(tok)
-    pieces, longest = [], 0
-    for i in ids:
-        pieces.append(detok.push([i]))
-        longest = max(longest, len(detok.token_ids))
-    pieces.append(detok.flush())
+    pieces, longest = push_one_by_one(IncrementalDetokenizer(tok), ids)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == "the quick brown fox"
     assert longest < 70  # bounded by the window, not by the 1,800 empty ids
 
@@ -222,12 +227,7 @@ def test_broken_bytes_settle_without_cutting_a_character(tok):
     byte_ids = byte_token_ids(tok)
     stray = byte_ids[0x80]  # a continuation byte with no lead: U+FFFD for good
     ids = [stray] * 300 + [byte_ids[b] for b in "🙂".encode()] + [stray] * 40 + [byte_ids[b] for b in "東é".encode()]
-    detok = IncrementalDetokenizer(tok)
-    pieces, longest = [], 0
-    for i in ids:
-        pieces.append(detok.push([i]))
-        longest = max(longest, len(detok.token_ids))
-    pieces.append(detok.flush())
+    pieces, longest = push_one_by_one(IncrementalDetokenizer(tok), ids)
     assert "".join(pieces) == tok.decode(ids)
     assert "🙂" in "".join(pieces) and "".join(pieces).endswith("東é")
     assert sum(p.count(REPLACEMENT) for p in pieces[:300]) > 250  # settled as they came, not at the end
