@@ -24,13 +24,12 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from l2_prefetch import HIDDEN, HKV, HQ, LAYERS, PAGE, D, linear, make_weights  # noqa: E402  (same layers)
 from timing import time_graph  # noqa: E402
 
-from kernels import paged_decode_attention, silu_and_mul, skinny_gemm  # noqa: E402
+from kernels import paged_decode_attention, silu_and_mul  # noqa: E402
 from kernels.decode_attention import TUNING, _attend  # noqa: E402
 from kernels.pdl import pdl_args, pdl_prologue  # noqa: E402
-
-LAYERS, HIDDEN, HQ, HKV, D, INTER, PAGE = 28, 1024, 16, 8, 128, 3072, 256
 
 
 @triton.jit
@@ -73,18 +72,6 @@ def persistent_attention(q, k_cache, v_cache, tables, lens, scale, order, progra
     return out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return skinny_gemm(x, w) if x.shape[0] <= 64 else torch.nn.functional.linear(x, w)
-
-
-def make_weights() -> list[dict[str, torch.Tensor]]:
-    def w(n, k):
-        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
-
-    return [{"qkv": w((HQ + 2 * HKV) * D, HIDDEN), "o": w(HIDDEN, HQ * D), "gate_up": w(2 * INTER, HIDDEN),
-             "down": w(HIDDEN, INTER)} for _ in range(LAYERS)]
-
-
 def layers(x, weights, caches, tables, lens, order, programs, gemms=True):
     for layer in range(LAYERS):
         w = weights[layer]
@@ -119,7 +106,7 @@ def main() -> None:
     ap.add_argument("--programs", type=int, nargs="+", default=[66, 100, 116, 132, 264])
     args = ap.parse_args()
     torch.manual_seed(0)
-    weights = make_weights()
+    weights = make_weights(LAYERS)
     print("| rows | variant | ms a step | floor ms |")
     print("| --- | --- | --- | --- |")
     for b in args.batches:
