@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
 
-    python benchmarks/kernels.py [--only read,decode,decode_mixed,decode_sweep,prefill,rms_norm,rotary,store,
-                                         sample,skinny,skinny_sweep,mid_sweep]
+    python benchmarks/kernels.py [--only read,decode,decode_mixed,decode_sweep,prefill,prefill_sweep,rms_norm,
+                                         rotary,store,sample,skinny,skinny_sweep,mid_sweep]
                                  [--dtype bf16] [--gemm-shapes 0.6b|8b-tp2]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
@@ -171,6 +171,52 @@ def bench_prefill(dtype: torch.dtype) -> None:
         report(f"prefill q={q_lens[0]}x{len(q_lens)} ctx<={max(ctx_lens)}", fn, nbytes, flops, check)
 
 
+PREFILL_SWEEP = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                 for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def bench_prefill_sweep(dtype: torch.dtype) -> None:
+    """The prefill kernel's launch alternatives (kernels.prefill_attention.TUNING), cold timings: the
+    bench's first prefill step (16,384 tokens of its own prompts) at the 0.6B and 8B head counts, one
+    16k-token prompt, and a 2k-token chunk after a 14k-token prefix."""
+    import random
+
+    from kernels.prefill_attention import TUNING
+
+    random.seed(0)
+    prompts = [len([random.randint(0, 10000) for _ in range(random.randint(100, 1024))]) for _ in range(256)]
+    first_step, total = [], 0
+    for n in prompts:
+        first_step.append(min(n, 16384 - total))
+        total += first_step[-1]
+        if total == 16384:
+            break
+    cases = [("bench step", first_step, first_step, HQ), ("bench step 8B heads", first_step, first_step, 32),
+             ("one 16k prompt", [16384], [16384], HQ), ("2k chunk after 14k", [2048], [16384], HQ)]
+    for name, q_lens, ctx_lens, hq in cases:
+        k_cache, v_cache, tables, lens = paged(ctx_lens, 256, dtype)
+        cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(q_lens), hq, D, device="cuda", dtype=dtype)
+        args = (cu, lens, tables, max(q_lens), D**-0.5)
+        expected = ref.paged_prefill_attention_ref(q, k_cache, v_cache, *args) if max(ctx_lens) <= 4096 else None
+        visible = sum(q_n * (c - q_n) + q_n * (q_n + 1) // 2 for q_n, c in zip(q_lens, ctx_lens, strict=True))
+        flops = 4 * visible * hq * D
+        for tune in PREFILL_SWEEP:
+            label = f"prefill {name} " + " ".join(f"{k}={v}" for k, v in tune.items())
+            label += " (default)" if tune == TUNING else ""
+            fn = functools.partial(paged_prefill_attention, q, k_cache, v_cache, *args, tuning=tune)
+            try:
+                got = fn()
+                if expected is not None:
+                    err = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+                    assert err < 2e-2, f"relative error {err:.2e}"
+                t = triton.testing.do_bench(fn, warmup=10, rep=40) * 1e3
+            except Exception as e:  # a tile that does not compile (shared memory) must not end the sweep
+                print(f"{label:<88} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}", flush=True)
+                continue
+            print(f"{label:<88} {t:8.1f} us  {flops / t / 1e6:5.0f} TFLOP/s", flush=True)
+
+
 def bench_rms_norm(dtype: torch.dtype) -> None:
     esize = torch.finfo(dtype).bits // 8
     for tokens, hidden in [(256, 1024), (256, 4096), (8192, 1024), (8192, 4096)]:
@@ -243,7 +289,7 @@ def bench_sample(dtype: torch.dtype) -> None:
 
 BENCHES = {"read": bench_read, "decode": bench_decode, "decode_mixed": bench_decode_mixed,
            "decode_sweep": bench_decode_sweep,
-           "prefill": bench_prefill, "rms_norm": bench_rms_norm,
+           "prefill": bench_prefill, "prefill_sweep": bench_prefill_sweep, "rms_norm": bench_rms_norm,
            "rotary": bench_rotary, "store": bench_store, "sample": bench_sample, "skinny": bench_skinny,
            "skinny_sweep": bench_skinny_sweep, "mid_sweep": bench_mid_sweep}
 

@@ -15,8 +15,9 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_prologue
 
-_BLOCK_M = 64  # query rows (tokens x heads of a group) per program
-_BLOCK_N = 64  # keys per inner-loop tile; independent of the cache's block size
+# block_m: query rows (tokens x heads of a group) per program; block_n: keys per inner-loop tile,
+# independent of the cache's block size. `benchmarks/kernels.py --only prefill_sweep` times the others.
+TUNING = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -99,12 +100,14 @@ def _prefill_kernel(
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def _launch_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out):
+def _launch_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out,
+                    tuning):
+    tune = TUNING if not tuning else {**TUNING, **tuning}
     num_seqs = cu_seqlens_q.shape[0] - 1
     _, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    block_m = max(_BLOCK_M, triton.next_power_of_2(group))
+    block_m = max(tune["block_m"], triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (triton.cdiv(max_seqlen_q, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
@@ -113,8 +116,8 @@ def _launch_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_table
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=_BLOCK_N, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2, **pdl_args(q.device),
+        BLOCK_N=tune["block_n"], PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=tune["num_warps"], num_stages=tune["num_stages"], **pdl_args(q.device),
     )
     return out
 
@@ -130,6 +133,7 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention for B packed query chunks over keys read from the paged cache.
 
@@ -137,7 +141,7 @@ def paged_prefill_attention(
     block_size, H_kv, D] contiguous, same dtype as q; cu_seqlens_q: [B+1] int32; context_lens: [B]
     int32, keys per sequence including this chunk (>= its query count); block_tables: [B,
     max_blocks] int32; max_seqlen_q: an upper bound on any sequence's query count. `out` ([total_q,
-    H_q, D], q's dtype) may be preallocated.
+    H_q, D], q's dtype) may be preallocated; `tuning` overrides entries of TUNING (tests, benchmarks).
     """
     assert q.dim() == 3 and q.stride(-1) == 1, "q must be [total_q, H_q, D] with unit-stride last dim"
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
@@ -151,5 +155,5 @@ def paged_prefill_attention(
     if q.shape[0] == 0 or num_seqs == 0 or max_seqlen_q <= 0:
         return out
     return _launch_prefill(
-        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out
+        q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out, tuning
     )
