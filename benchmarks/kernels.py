@@ -181,7 +181,7 @@ def bench_prefill_sweep(dtype: torch.dtype) -> None:
     16k-token prompt, and a 2k-token chunk after a 14k-token prefix."""
     import random
 
-    from kernels.prefill_attention import TUNING
+    from kernels.prefill_attention import LONG_MIN_QUERY, LONG_TUNING, TUNING
 
     random.seed(0)
     prompts = [len([random.randint(0, 10000) for _ in range(random.randint(100, 1024))]) for _ in range(256)]
@@ -203,7 +203,7 @@ def bench_prefill_sweep(dtype: torch.dtype) -> None:
         flops = 4 * visible * hq * D
         for tune in PREFILL_SWEEP:
             label = f"prefill {name} " + " ".join(f"{k}={v}" for k, v in tune.items())
-            label += " (default)" if tune == TUNING else ""
+            label += " (default)" if tune == (LONG_TUNING if max(q_lens) >= LONG_MIN_QUERY else TUNING) else ""
             fn = functools.partial(paged_prefill_attention, q, k_cache, v_cache, *args, tuning=tune)
             try:
                 got = fn()

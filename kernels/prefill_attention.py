@@ -16,8 +16,14 @@ import triton.language as tl
 from kernels.pdl import pdl_args, pdl_prologue
 
 # block_m: query rows (tokens x heads of a group) per program; block_n: keys per inner-loop tile,
-# independent of the cache's block size. `benchmarks/kernels.py --only prefill_sweep` times the others.
-TUNING = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+# independent of the cache's block size. `benchmarks/kernels.py --only prefill_sweep` (BENCHMARKS.md,
+# "Kernels") chose them on an H200: short prompts waste least on diagonal tiles with 32 keys a tile;
+# from LONG_MIN_QUERY query tokens a sequence, 128 x 128 tiles pay (11% on one 16k-token prompt). The
+# long tiles need 224 KB of shared memory at head dim 128 in 16-bit types, so wider heads or fp32 keep
+# the short ones.
+TUNING = dict(block_m=128, block_n=32, num_warps=8, num_stages=2)
+LONG_TUNING = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+LONG_MIN_QUERY = 2048
 
 
 @triton.jit
@@ -102,7 +108,9 @@ def _prefill_kernel(
 
 def _launch_prefill(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out,
                     tuning):
-    tune = TUNING if not tuning else {**TUNING, **tuning}
+    long = max_seqlen_q >= LONG_MIN_QUERY and q.element_size() == 2 and q.shape[2] <= 128
+    base = LONG_TUNING if long else TUNING
+    tune = base if not tuning else {**base, **tuning}
     num_seqs = cu_seqlens_q.shape[0] - 1
     _, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape

@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 import kernels.decode_attention as decode_module  # noqa: E402
+import kernels.prefill_attention as prefill_attention  # noqa: E402
 from kernels import (  # noqa: E402
     apply_rotary,
     paged_decode_attention,
@@ -176,6 +177,20 @@ def test_prefill(dtype, hq, hkv, d, page, q_lens, ctx_lens):
     paged_prefill_attention(q, k_cache, v_cache, *args, out=out)
     expected = ref.paged_prefill_attention_ref(q, k_cache, v_cache, *args)
     assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("tuning", [prefill_attention.TUNING, prefill_attention.LONG_TUNING,
+                                    dict(block_m=64, block_n=64, num_warps=4, num_stages=2)])
+def test_prefill_launch_alternatives(tuning):
+    """The sweep's tiles (short and long prompts' included) compute the same attention: tiles wider
+    than a sequence, a diagonal inside one key tile, a prefix ending mid-tile."""
+    q_lens, ctx_lens = [37, 1, 130], [37, 200, 300]
+    k_cache, v_cache, tables = paged_cache(ctx_lens, 16, 4, 64, torch.float32)
+    cu = i32([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    q = torch.randn(sum(q_lens), 8, 64, device=DEV)
+    args = (cu, i32(ctx_lens), tables, max(q_lens), 0.125)
+    out = paged_prefill_attention(q, k_cache, v_cache, *args, tuning=tuning)
+    assert rel_err(out, ref.paged_prefill_attention_ref(q, k_cache, v_cache, *args)) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128)])
@@ -385,9 +400,15 @@ def test_decode_gpu(batch, max_ctx, page):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_lens,ctx_lens", [([4096], [4096]), ([1000, 1, 2048, 1047], [1500, 700, 2048, 3000])])
-def test_prefill_gpu(q_lens, ctx_lens):
-    hq, hkv, d, page, dtype = 16, 8, 128, 16, torch.bfloat16
+@pytest.mark.parametrize("q_lens,ctx_lens,hq,dtype", [
+    ([4096], [4096], 16, torch.bfloat16),  # long-prompt tiles (LONG_TUNING)
+    ([1000, 1, 2048, 1047], [1500, 700, 2048, 3000], 16, torch.bfloat16),
+    ([1000, 1, 2048, 1047], [1500, 700, 2048, 3000], 32, torch.bfloat16),  # GQA 4, Qwen3-8B's heads
+    ([2048, 300], [2048, 3000], 16, torch.float32),  # long, but fp32 keeps the short tiles' shared memory
+    ([100, 1023, 1, 517], [100, 1500, 900, 517], 16, torch.bfloat16),  # short prompts (TUNING)
+])
+def test_prefill_gpu(q_lens, ctx_lens, hq, dtype):
+    hkv, d, page = 8, 128, 16
     k_cache, v_cache, tables = paged_cache(ctx_lens, page, hkv, d, dtype)
     cu = i32([0] + torch.tensor(q_lens).cumsum(0).tolist())
     q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=dtype)
