@@ -36,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from timing import BANDWIDTH, MATMUL_FLOPS, median_ms, time_graph  # noqa: E402
 
 import kernels  # noqa: E402
+from models.layers.fused import enable_fused_kernels  # noqa: E402
+from models.layers.linear import linear  # noqa: E402  (the data plane's GEMM for this many rows)
 from models.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
 
 LAYERS, HIDDEN, HQ, HKV, D, INTER, PAGE, EPS = 28, 1024, 16, 8, 128, 3072, 256, 1e-6
-SKINNY_MAX_ROWS = 64  # models/layers/linear.py's default
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -64,10 +65,6 @@ def layer_torch(x, residual, w, positions, cos_sin, slots, k_cache, v_cache):
     residual = F.linear(q.flatten(1), w["o"]) + residual
     gate, up = F.linear(rms(residual, w["post"]), w["gate_up"]).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w["down"]), residual
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return kernels.skinny_gemm(x, weight) if x.shape[0] <= SKINNY_MAX_ROWS else F.linear(x, weight)
 
 
 def layer_ours(x, residual, w, positions, cos_sin, slots, k_cache, v_cache):
@@ -158,6 +155,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=16384, help="tokens of the eager prefill size (0: none)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    enable_fused_kernels(True)  # `ours` as the data plane on a GPU: `linear` takes the skinny GEMM at few rows
     torch._dynamo.config.cache_size_limit = 64  # one graph per size, for every size
     global COS_SIN
     COS_SIN = RotaryEmbedding(D, 40960, 1e6).cos_sin_cache.cuda()

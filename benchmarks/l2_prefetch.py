@@ -24,8 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from timing import time_graph  # noqa: E402
 
-from kernels import paged_decode_attention, silu_and_mul, skinny_gemm  # noqa: E402
+from kernels import paged_decode_attention, silu_and_mul  # noqa: E402
 from kernels.pdl import pdl_args, pdl_prologue  # noqa: E402
+from models.layers.fused import enable_fused_kernels  # noqa: E402
+from models.layers.linear import linear  # noqa: E402  (the data plane's GEMM for this many rows)
+
+enable_fused_kernels(True)  # as the data plane on a GPU: `linear` takes the skinny GEMM at few rows
 
 LAYERS, HIDDEN, HQ, HKV, D, INTER, PAGE = 28, 1024, 16, 8, 128, 3072, 256
 SPAN = 256 * 1024  # bytes a program prefetches
@@ -53,10 +57,6 @@ def prefetch(table: torch.Tensor, most: int) -> None:
     """Bulk L2 prefetch of the regions in `table` ([k, 2] int64: address, bytes); `most`: largest bytes."""
     _prefetch_kernel[(table.shape[0], triton.cdiv(most, SPAN))](table, SPAN=SPAN, SUB=SUB, num_warps=4,
                                                                   **pdl_args(table.device))
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return skinny_gemm(x, w) if x.shape[0] <= 64 else torch.nn.functional.linear(x, w)
 
 
 def make_weights(copies: int) -> list[dict[str, torch.Tensor]]:

@@ -24,7 +24,9 @@ from models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 SKINNY_MAX_ROWS = int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "64"))
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the kernel the data plane picks for this many rows (the benchmarks
+    time the same choice)."""
     if fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
         import kernels
 
@@ -52,7 +54,7 @@ class LinearBase(nn.Module):
         _copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -115,7 +117,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """`reduce=False` leaves the sum over the ranks to the caller (the RMSNorm that follows can
         fold it into its kernel): this rank's partial product, for a layer without bias."""
-        y = _linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.tp_size > 1:
             if reduce:
                 y = all_reduce(y)
