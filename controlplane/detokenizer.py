@@ -172,7 +172,8 @@ class StopMatcher:
                 if stop[state] == c:
                     state += 1
                     if state == len(stop):  # unreachable after push's find; kept proper all the same
-                        fail = fail or _failure(stop)
+                        if fail is None:
+                            fail = self._fails[j] = _failure(stop)
                         state = fail[state - 1]
             states[j] = state
         return min(max(states), len(self.held))
