@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -232,6 +233,30 @@ def report_pace(steps: list[tuple], runner) -> None:
         f"{i}: {steps[i][0]}, {steps[i][1]}, {steps[i][3] * 1e3:.1f}" for i in sorted(slowest)))
 
 
+def watch_gc() -> list[tuple[int, float]]:
+    """(generation, seconds) of every collection of Python's cyclic garbage collector from now on: a
+    collection stops the engine's thread, and with it the next step's launch."""
+    pauses: list[tuple[int, float]] = []
+    began = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - began[0]))
+
+    gc.callbacks.append(callback)
+    return pauses
+
+
+def report_gc(pauses: list[tuple[int, float]]) -> None:
+    by_gen = [sum(1 for g, _ in pauses if g == gen) for gen in range(3)]
+    total = sum(s for _, s in pauses)
+    longest = max((s for _, s in pauses), default=0.0)
+    print(f"garbage collections during the run: {len(pauses)} (by generation {by_gen[0]}/{by_gen[1]}/{by_gen[2]}), "
+          f"{total * 1e3:.1f} ms in all, longest {longest * 1e3:.1f} ms", flush=True)
+
+
 def report(t: dict[str, list[float]], elapsed: float) -> None:
     step, launch, wait = sum(t["step"]), sum(t["launch"]), sum(t["wait"])
     n = len(t["step"])
@@ -279,9 +304,14 @@ def main() -> None:
                  use_tqdm=False)
     timings = instrument(llm) if args.profile else None
     steps = pace(llm) if llm.engine.overlap and not args.profile else None
+    if os.environ.get("NANOPLANE_BENCH_GC_FREEZE") == "1":  # experiment: nothing from start-up is traced again
+        gc.collect()
+        gc.freeze()
+    pauses = watch_gc()
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t
+    report_gc(pauses)
     if timings is not None:
         report(timings, elapsed)
     runner = llm.engine.data_plane.runner
