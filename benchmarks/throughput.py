@@ -304,9 +304,6 @@ def main() -> None:
                  use_tqdm=False)
     timings = instrument(llm) if args.profile else None
     steps = pace(llm) if llm.engine.overlap and not args.profile else None
-    if os.environ.get("NANOPLANE_BENCH_GC_FREEZE") == "1":  # experiment: nothing from start-up is traced again
-        gc.collect()
-        gc.freeze()
     pauses = watch_gc()
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)

@@ -7,6 +7,7 @@ the one control-plane module allowed to bring in torch (through the data plane).
 from __future__ import annotations
 
 import atexit
+import gc
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -38,11 +39,17 @@ class LLM:
         ))
         self.engine = Engine(cfg, data_plane, self.tokenizer.eos_token_ids)
         atexit.register(self.close)
+        # Start-up left ~300k objects (torch, the model, Triton's kernels, CUDA graphs) that a full
+        # collection would walk, 200-280 ms on the H200 hosts, mid-run (BENCHMARKS.md): they go to the
+        # permanent generation while this LLM lives, and back at close().
+        gc.collect()
+        gc.freeze()
 
     def close(self) -> None:
         if getattr(self, "engine", None) is not None:
             self.engine.close()
             self.engine = None
+            gc.unfreeze()
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -41,6 +42,14 @@ def set_gil_switch_interval() -> None:
     sys.setswitchinterval(float(os.environ.get("NANOPLANE_GIL_SWITCH_MS", GIL_SWITCH_MS)) / 1000)
 
 
+def freeze_startup_objects() -> None:
+    """Start-up's objects (gRPC, protobuf, the tokenizer, the server) go to Python's permanent
+    generation: they live as long as the process, and a full collection that walks them all stops
+    the event loop, and every stream with it, meanwhile."""
+    gc.collect()
+    gc.freeze()
+
+
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
                  ready: threading.Event | None = None,
                  on_data_plane_ready: Callable[[bool], None] | None = None) -> None:
@@ -59,6 +68,7 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     log.info("gRPC API on %s (port %d), data plane at %s%s", address, port, plane_address,
              " (engine process)" if isinstance(data_plane, str) else "")
     print(f"nanoplane: serving {Path(config.model).name} on {address.rsplit(':', 1)[0]}:{port}", flush=True)
+    freeze_startup_objects()
     if ready is not None:
         ready.set()
     stop = asyncio.Event()

@@ -11,11 +11,13 @@ from collections import deque
 from dataplane.config import DataPlaneConfig
 from dataplane.launcher import free_port
 from dataplane.model_runner import ModelRunner
+from dataplane.worker import freeze_startup_objects
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 
 def _serve_rank(cfg: DataPlaneConfig, conn) -> None:
     runner = ModelRunner(cfg)
+    freeze_startup_objects()
     conn.send(runner.info())
     while True:
         desc = conn.recv()

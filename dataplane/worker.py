@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -111,6 +112,15 @@ class _Liveness(threading.Thread):
         return True
 
 
+def freeze_startup_objects() -> None:
+    """Hand every object alive now (torch, the model, Triton's kernels, the CUDA graphs: ~300k of them)
+    to Python's permanent generation. A full collection walks every tracked object, 200-280 ms on the
+    H200 hosts (BENCHMARKS.md), and stops the step loop, and every stream with it, for that long. A
+    rank's start-up objects live as long as its process: nothing is lost by never walking them again."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_rank(cfg: DataPlaneConfig, opts: WorkerOptions) -> None:
     """Process entry point of one rank; never returns (the process exits with a meaningful code)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the ranks
@@ -139,6 +149,7 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _L
     from dataplane.model_runner import ModelRunner
 
     runner = ModelRunner(cfg)
+    freeze_startup_objects()
     while not live.welcomed.wait(0.1):
         if live.exit_requested.is_set():
             return live.exit_code
