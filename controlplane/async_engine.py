@@ -56,7 +56,7 @@ class AsyncEngine:
         attaches the first one.
 
         `deliver(batch)` and `on_status(status)`, both called on the engine thread, take the place of
-        the event loop when the streams live in another process (`engine_process.py`): `deliver`
+        the event loop when the streams live in another process (`engine_child.py`): `deliver`
         gets each batch of (stream, Output or exception) instead of the streams' queues, `on_status`
         every changed status snapshot."""
         self.engine = engine
@@ -135,7 +135,7 @@ class AsyncEngine:
         """Counters as of the engine thread's latest iteration."""
         return self._status
 
-    # ---- streams whose consumer lives in another process (engine_process.py) --------------------
+    # ---- streams whose consumer lives in another process (engine_child.py) ----------------------
 
     def add_stream(self, stream: Stream) -> None:
         """Queue a request already checked by its consumer; its outputs go to `deliver`."""

@@ -6,9 +6,9 @@ and on a slower host that path can outgrow the GPU's step (BENCHMARKS.md: the se
 the embedded engine in three runs where that turnaround was slow, 96-98% in others). So by default
 (`NANOPLANE_ENGINE_PROCESS=0` turns it off) the scheduler, the block manager and the data plane's
 ZeroMQ socket run in a child process (an `AsyncEngine` whose deliveries go to a socket instead of an
-event loop); the serving process keeps the gRPC server, tokenizer and detokenizer. Two ipc sockets
-join them (ZeroMQ sockets are not thread-safe: each has one user thread a side, except the serving
-side's commands, sent under a lock):
+event loop: `engine_child.py`); the serving process keeps the gRPC server, tokenizer and detokenizer
+(this module is its side). Two ipc sockets join them (ZeroMQ sockets are not thread-safe: each has
+one user thread a side, except the serving side's commands, sent under a lock):
 
 - commands, front -> engine: add a request, abort one, readiness pushed from outside, stop;
 - events, engine -> front: each step's outputs as one message, status snapshots, readiness with the
@@ -18,10 +18,10 @@ side's commands, sent under a lock):
 engine process dies, every open stream ends with UNAVAILABLE, health goes NOT_SERVING, and a new
 engine process is started; if the serving process dies, the engine process notices and exits. A
 process that is alive but silent (stopped, or stuck in a call that holds its GIL) would hold every
-stream forever, so the engine process's main thread also sends a beat every BEAT_INTERVAL_S, and
-after ENGINE_SILENCE_S without any event the serving process kills it and treats it as dead. (A
-stuck engine thread under a live main thread is not caught here; the data plane's own heartbeats
-end its steps.)
+stream forever, so the engine process's main thread also sends a beat every BEAT_INTERVAL_S
+(engine_child.py), and after ENGINE_SILENCE_S without any event the serving process kills it and
+treats it as dead. (A stuck engine thread under a live main thread is not caught here; the data
+plane's own heartbeats end its steps.)
 """
 
 from __future__ import annotations
@@ -32,39 +32,31 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
-import pickle
 import shutil
-import signal
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import zmq
 
 from controlplane import runtime_dir
-from controlplane.async_engine import AsyncEngine
 from controlplane.config import EngineConfig
-from controlplane.engine import Engine, validate_request
+from controlplane.engine import Engine
+from controlplane.engine_child import EngineFacts, engine_main, unpack_output
 from controlplane.errors import DataPlaneUnavailable
 from controlplane.sampling_params import SamplingParams
-from controlplane.sequence import FinishReason
+from controlplane.server import GenerationServer
 from controlplane.stream import EngineStatus, Output, Stream, read_stream, wait_for_free_id
-from proto.plane import PlaneInfo
-
-if TYPE_CHECKING:  # the engine process imports this module and needs no gRPC server
-    from controlplane.server import GenerationServer
+from controlplane.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 # A dead engine process is replaced after this long (a crash loop must not spin).
 RESTART_INTERVAL_S = 1.0
-# The engine process's main thread sends a beat this often; the serving process kills an engine
-# process it has heard nothing from for ENGINE_SILENCE_S (from its start, or its last event).
-BEAT_INTERVAL_S = 1.0
+# The serving process kills an engine process it has heard nothing from for this long (from its start,
+# or its last event); a live one beats every engine_child.BEAT_INTERVAL_S.
 ENGINE_SILENCE_S = 10.0
 
 
@@ -74,127 +66,6 @@ def engine_process_enabled() -> bool:
     in its own process it made 98.8% and 98.9% in the runs alternated with those."""
     return os.environ.get("NANOPLANE_ENGINE_PROCESS", "1") not in ("", "0")
 
-
-@dataclass(frozen=True, slots=True)
-class EngineFacts:
-    """What the serving process knows of the attached engine: enough to check a request before it is
-    sent and to answer GetModelInfo."""
-
-    infos: tuple[PlaneInfo, ...]  # each rank's handshake
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    kv_capacity_tokens: int
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineFacts:
-        return cls(tuple(engine.infos), engine.max_model_len, engine.vocab_size, engine.block_size,
-                   engine.kv_capacity_tokens)
-
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
-
-
-# ---- the engine process --------------------------------------------------------------------------
-
-
-def _pack(out: Output) -> tuple:
-    # A tuple pickles about ten times faster than the dataclass (256 of them a step).
-    reason = out.finish_reason.value if out.finish_reason is not None else None
-    return (out.token_ids, out.finished, reason, out.num_prompt_tokens, out.num_completion_tokens,
-            out.num_cached_tokens)
-
-
-def _unpack(request_id: str, packed: tuple) -> Output:
-    token_ids, finished, reason, num_prompt, num_completion, num_cached = packed
-    return Output(request_id, token_ids, finished, FinishReason(reason) if reason is not None else None,
-                  num_prompt, num_completion, num_cached)
-
-
-def _engine_main(config: EngineConfig, data_plane_address: str, commands_address: str, events_address: str,
-                 eos_token_ids: tuple[int, ...], recover_interval_s: float, attach_timeout_s: float) -> None:
-    from controlplane.remote import EXIT_RESTART, RemoteDataPlane
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
-    # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
-    # open streams first), so the signal itself is not for us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-    ctx = zmq.Context()
-    commands = ctx.socket(zmq.PULL)
-    commands.connect(commands_address)
-    events = ctx.socket(zmq.PUSH)  # the engine thread's alone once it runs
-    events.setsockopt(zmq.LINGER, 1000)
-    events.connect(events_address)
-    beats = ctx.socket(zmq.PUSH)  # this (main) thread's own way to the same events socket
-    beats.setsockopt(zmq.LINGER, 0)
-    beats.connect(events_address)
-    beats.send_pyobj(("beat",))
-    last_beat = time.monotonic()
-    data_plane = RemoteDataPlane(data_plane_address, world_size=config.tensor_parallel_size)
-    streams: dict[int, Stream] = {}  # key -> stream, for aborts
-
-    def attach(old: Engine | None) -> Engine:
-        return Engine(config, data_plane, eos_token_ids, start_timeout=attach_timeout_s)
-
-    def deliver(batch: list) -> None:
-        out = []
-        for stream, item in batch:
-            if isinstance(item, BaseException):
-                streams.pop(stream.request_id, None)
-                out.append((stream.request_id, item))
-                continue
-            if item.finished:
-                streams.pop(stream.request_id, None)
-            out.append((stream.request_id, _pack(item)))
-        events.send_pyobj(("out", out), protocol=pickle.HIGHEST_PROTOCOL)
-
-    core = AsyncEngine(None, attach, recover_interval_s, deliver=deliver,
-                       on_status=lambda status: events.send_pyobj(("status", status)))
-    # The bare reason: EngineClient.unavailable_message() wraps it in "the data plane is not available (...)".
-    core.add_ready_listener(lambda ready: events.send_pyobj(
-        ("ready", ready, EngineFacts.of(core.engine) if ready else None, core.unready_reason)))
-    core.start()
-    orderly = False  # a "stop" from the serving process; otherwise it died and the data plane must restart
-    try:
-        while True:
-            if time.monotonic() - last_beat >= BEAT_INTERVAL_S:
-                with contextlib.suppress(zmq.Again):
-                    beats.send_pyobj(("beat",), zmq.NOBLOCK)
-                last_beat = time.monotonic()
-            if not commands.poll(500):
-                if os.getppid() != parent:  # the serving process is gone: nobody to stream to
-                    log.warning("the serving process exited; stopping the engine")
-                    break
-                continue
-            msg = commands.recv_pyobj()
-            if msg[0] == "add":
-                _, key, token_ids, params = msg
-                # Here the stream's id is the serving process's key for it, and outputs go to `deliver`.
-                stream = Stream(key, token_ids, params, queue=None)
-                streams[key] = stream
-                core.add_stream(stream)
-            elif msg[0] == "abort":
-                stream = streams.pop(msg[1], None)
-                if stream is not None:
-                    core.abort_stream(stream, msg[2])
-            elif msg[0] == "ready":
-                core.set_data_plane_ready(msg[1], msg[2])
-            elif msg[0] == "stop":
-                orderly = True
-                break
-    finally:
-        if not orderly:  # the serving process died: no planned stop, so the data plane must come back
-            data_plane.close(exit_code=EXIT_RESTART)  # before core.shutdown, whose engine.close() says 0
-        core.shutdown()  # open streams end with UNAVAILABLE; their outputs still go out
-        data_plane.close()
-        events.close()
-        beats.close()
-        commands.close(linger=0)
-        ctx.term()
-
-
-# ---- the serving process -------------------------------------------------------------------------
 
 
 class EngineClient:
@@ -327,7 +198,7 @@ class EngineClient:
     def _spawn(self) -> None:
         config, address, eos, interval, timeout = self._args
         process = mp.get_context("spawn").Process(
-            target=_engine_main, name="nanoplane-engine", daemon=True,
+            target=engine_main, name="nanoplane-engine", daemon=True,
             args=(config, address, f"ipc://{self._dir}/commands.sock", f"ipc://{self._dir}/events.sock",
                   eos, interval, timeout))
         process.start()
@@ -411,7 +282,7 @@ class EngineClient:
             stream = self._by_key.get(key)
             if stream is None:
                 continue  # the consumer is gone already
-            stream.queue.put_nowait(item if isinstance(item, BaseException) else _unpack(stream.request_id, item))
+            stream.queue.put_nowait(item if isinstance(item, BaseException) else unpack_output(stream.request_id, item))
 
     def _fail_all(self, error_and_limit: tuple[BaseException, int | None]) -> None:
         """End the streams with keys below the limit (None: all of them) with the error."""
@@ -425,9 +296,6 @@ def build_process_server(config: EngineConfig, data_plane_address: str, address:
                          attach_timeout_s: float = 2.0) -> GenerationServer:
     """server.build_server with the engine in its own process: the data plane attaches to the engine
     process at `data_plane_address` (which that process binds)."""
-    from controlplane.server import GenerationServer
-    from controlplane.tokenizer import Tokenizer
-
     tokenizer = Tokenizer(config.model)
     client = EngineClient(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s)
     return GenerationServer(client, tokenizer, model_name or Path(config.model).name, address)
