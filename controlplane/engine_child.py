@@ -13,6 +13,7 @@ process dies) is in engine_process.py's docstring.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -115,7 +116,12 @@ def engine_main(config: EngineConfig, data_plane_address: str, commands_address:
     # The bare reason: EngineClient.unavailable_message() wraps it in "the data plane is not available (...)".
     core.add_ready_listener(lambda ready: events.send_pyobj(
         ("ready", ready, EngineFacts.of(core.engine) if ready else None, core.unready_reason)))
+    # Objects that live as long as the process (or the engine: the scheduler, the block manager's
+    # blocks) go to Python's permanent generation, so that a full collection does not walk them all
+    # and stall every stream's step meanwhile; again after each attach, for the new engine's.
+    core.add_ready_listener(lambda ready: _freeze_startup_objects() if ready else None)
     core.start()
+    _freeze_startup_objects()
     orderly = False  # a "stop" from the serving process; otherwise it died and the data plane must restart
     try:
         while True:
@@ -153,3 +159,8 @@ def engine_main(config: EngineConfig, data_plane_address: str, commands_address:
         beats.close()
         commands.close(linger=0)
         ctx.term()
+
+
+def _freeze_startup_objects() -> None:
+    gc.collect()
+    gc.freeze()
