@@ -118,7 +118,8 @@ def engine_main(config: EngineConfig, data_plane_address: str, commands_address:
         ("ready", ready, EngineFacts.of(core.engine) if ready else None, core.unready_reason)))
     # Objects that live as long as the process (or the engine: the scheduler, the block manager's
     # blocks) go to Python's permanent generation, so that a full collection does not walk them all
-    # and stall every stream's step meanwhile; again after each attach, for the new engine's.
+    # and stall every stream's step meanwhile; again after each attach, for the new engine's (after
+    # collecting what the detached engine left, which a freeze would otherwise keep for good).
     core.add_ready_listener(lambda ready: _freeze_startup_objects() if ready else None)
     core.start()
     _freeze_startup_objects()
@@ -162,5 +163,6 @@ def engine_main(config: EngineConfig, data_plane_address: str, commands_address:
 
 
 def _freeze_startup_objects() -> None:
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
