@@ -58,6 +58,8 @@ RESTART_INTERVAL_S = 1.0
 # The serving process kills an engine process it has heard nothing from for this long (from its start,
 # or its last event); a live one beats every engine_child.BEAT_INTERVAL_S.
 ENGINE_SILENCE_S = 10.0
+# The events loop wakes at least every 0.2 s; a longer gap means this process was not running.
+STALL_S = 1.0
 
 
 def engine_process_enabled() -> bool:
@@ -217,11 +219,19 @@ class EngineClient:
     def _read_events(self) -> None:
         poller = zmq.Poller()
         poller.register(self._events, zmq.POLLIN)
+        passed = time.monotonic()
         while True:
             process = self._process
             poller.register(process.sentinel, zmq.POLLIN)
             ready = dict(poller.poll(200))
             poller.unregister(process.sentinel)
+            now = time.monotonic()
+            if now - passed > STALL_S:
+                # This process did not run (SIGSTOP, swap, a frozen container): the engine process's
+                # beats of that time may not have reached the socket yet, so its silence is ours.
+                log.warning("this process did not run for %.1fs: the engine process gets a fresh window", now - passed)
+                self._last_word = max(self._last_word, now)
+            passed = now
             if self._events in ready:
                 self._last_word = time.monotonic()
                 self._on_event(self._events.recv_pyobj())

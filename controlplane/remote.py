@@ -60,6 +60,12 @@ class _Launch:
         return len(self.ranks) == self.world_size and all(r.info is not None for r in self.ranks.values())
 
 
+# Liveness is judged every ~0.1 s. A gap this long between two judgements means this process did not
+# run (SIGSTOP, swap, a frozen container): the ranks' beats of that time may still sit in ZeroMQ's
+# I/O thread, not yet in the socket, so their silence is ours and they get a fresh window.
+STALL_S = 1.0
+
+
 class RemoteDataPlane:
     def __init__(self, address: str, world_size: int | None = None, *, heartbeat_timeout: float = 2.5,
                  step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0):
@@ -88,6 +94,7 @@ class RemoteDataPlane:
         self._failure = "no data plane attached yet"
         self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
         self._next_epoch = 1
+        self._judged_at: float | None = None  # the latest liveness judgement (_check); None: none yet
         self._ignored, self._ignored_logged_at = 0, 0.0  # malformed messages not logged yet, and when we last did
         self._closed = False
         # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
@@ -291,6 +298,13 @@ class RemoteDataPlane:
         self._send(ident, codec.Welcome(msg.launch_id, launch.epoch))
 
     def _check(self, now: float) -> None:
+        if self._judged_at is not None and now - self._judged_at > STALL_S:
+            log.warning("this process did not run for %.1fs (stopped or starved): the ranks get a fresh "
+                        "heartbeat window", now - self._judged_at)
+            for pending in self._launches.values():
+                for r in pending.ranks.values():
+                    r.last_seen = max(r.last_seen, now)
+        self._judged_at = now
         launch = self._attached
         if launch is not None:
             r = min(launch.ranks.values(), key=lambda r: r.last_seen)  # the first to fall silent is the news

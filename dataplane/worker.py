@@ -40,6 +40,7 @@ from proto.plane import StepDescriptor, StepResult
 EXIT_RESTART = 75  # EX_TEMPFAIL
 EXIT_FAILED = 1
 EXIT_GRACE_S = 5.0  # how long the main thread gets to leave on its own before the process is ended
+STALL_S = 1.0  # the liveness loop running this much later than its interval: the rank itself was not running
 
 log = logging.getLogger("nanoplane.dataplane")
 
@@ -78,8 +79,14 @@ class _Liveness(threading.Thread):
     def run(self) -> None:
         opts = self.opts
         hello = codec.encode_control(codec.Hello(opts.launch_id, self.rank, self.world_size, os.getpid()))
-        last_heard = time.monotonic()
+        last_heard = passed = time.monotonic()
         while not self.exit_requested.is_set():
+            now = time.monotonic()
+            if now - passed > opts.heartbeat_interval + STALL_S:
+                # This rank did not run (SIGSTOP, swap, a frozen container): the control plane's
+                # words of that time may not have reached the socket yet, so the silence is ours.
+                last_heard = max(last_heard, now)
+            passed = now
             beat = hello
             if self.welcomed.is_set():
                 beat = codec.encode_control(codec.Heartbeat(opts.launch_id, self.epoch, self.rank))

@@ -46,7 +46,7 @@ class FakeRank:
         self.beat.send_multipart(codec.encode_control(codec.Hello(launch_id, rank, world_size, os.getpid())))
         welcome = codec.decode(self.beat.recv_multipart())
         assert isinstance(welcome, codec.Welcome) and welcome.launch_id == launch_id
-        self.epoch, self.beating = welcome.epoch, True
+        self.epoch, self.beating, self.paused = welcome.epoch, True, False
         self.thread = threading.Thread(target=self._beat, daemon=True)
         self.thread.start()
         self.data = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
@@ -57,7 +57,8 @@ class FakeRank:
     def _beat(self) -> None:
         self.last_reply = None
         while self.beating:
-            self.beat.send_multipart(codec.encode_control(codec.Heartbeat(self.launch_id, self.epoch, self.rank)))
+            if not self.paused:
+                self.beat.send_multipart(codec.encode_control(codec.Heartbeat(self.launch_id, self.epoch, self.rank)))
             time.sleep(0.1)
             while self.beat.poll(0):
                 self.last_reply = codec.decode(self.beat.recv_multipart())
@@ -230,6 +231,34 @@ def test_a_stall_of_the_control_plane_is_not_taken_for_the_ranks_silence():
         assert codec.decode(fake.data.recv_multipart()).step_id == 0
         threading.Timer(2.5, fake.answer, args=(0, [3])).start()
         assert client.collect(0).sampled_token_ids.tolist() == [3] and stalled and client.ready
+        fake.close()
+    finally:
+        client.close(stop_data_plane=False)
+
+
+def test_a_stall_of_the_whole_host_is_not_taken_for_the_ranks_silence():
+    """Every process stops at once (a frozen container, a suspended VM), or this one stops before
+    ZeroMQ's I/O thread has moved the rank's beats into the socket: when the liveness checks run
+    again, the rank has said nothing for longer than the timeout. The gap in the checks themselves
+    shows that the silence is the stall's: the rank gets a fresh window, and a rank that stays silent
+    is still caught."""
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=10)
+    try:
+        fake = FakeRank(client.address, launch_id=22)
+        client.start(timeout=5)
+        fake.paused = True
+        with client._lock:  # neither the watcher nor a collect judges liveness meanwhile
+            time.sleep(2.0)
+        fake.paused = False
+        time.sleep(0.5)
+        assert client.ready
+        client.submit(decode_step(0, fake.epoch))
+        assert codec.decode(fake.data.recv_multipart()).step_id == 0
+        fake.answer(0, [3])
+        assert client.collect(0).sampled_token_ids.tolist() == [3]
+        fake.paused = True  # now only the rank is silent
+        time.sleep(1.6)
+        assert not client.ready
         fake.close()
     finally:
         client.close(stop_data_plane=False)
