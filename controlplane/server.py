@@ -40,6 +40,9 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 256  # echoed in every message and in error details (metadata is capped at 8-16 KiB)
+# Prompt text up to this many characters a token of max_model_len is encoded at once; longer text is
+# counted piece by piece first (GenerationServicer._refuse_surely_longer). English runs ~4 a token.
+CHEAP_CHARS_PER_TOKEN = 8
 # Clients and meshes commonly send HTTP/2 keepalive pings every 10-30 s; gRPC's default policy
 # answers a ping more frequent than every 5 min with GOAWAY too_many_pings, which ends every stream
 # on the connection. Server pings, in turn, find peers that vanished without closing the connection.
@@ -111,6 +114,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # times that, for normalizers that compose characters (NFC: a letter and its accents, one).
         self._max_prompt_chars_per_token = 4 * max(map(len, tokenizer.hf.get_vocab()), default=1)
 
+    def _refuse_surely_longer(self, text: str) -> None:
+        """Refuse a text that passed the character bound but holds more than max_model_len tokens,
+        counting only as far as the limit (Tokenizer.surely_longer): encoding all of it first cost
+        hundreds of MB a request. Texts of up to CHEAP_CHARS_PER_TOKEN characters a token go straight
+        to the encoder, as nearly every real prompt does. Runs off the event loop."""
+        facts = self.engine.engine
+        if facts is None or len(text) <= facts.max_model_len * CHEAP_CHARS_PER_TOKEN:
+            return
+        if self.tokenizer.surely_longer(text, facts.max_model_len):
+            raise ValueError(f"the prompt ({len(text)} characters) has more than max_model_len "
+                             f"{facts.max_model_len} tokens")
+
+    def _encode_text(self, text: str) -> list[int]:
+        self._refuse_surely_longer(text)
+        return self.tokenizer.encode(text)
+
     def _check_text_length(self, n_chars: int) -> None:
         """Refuse text that cannot fit before spending seconds of CPU tokenizing it."""
         facts = self.engine.engine
@@ -134,7 +153,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             # Off the event loop: tokenizing a long prompt takes seconds, and every stream waits on the loop.
             return await asyncio.to_thread(self.tokenizer.encode_chat,
-                                           [{"role": m.role, "content": m.content} for m in chat.messages])
+                                           [{"role": m.role, "content": m.content} for m in chat.messages],
+                                           self._refuse_surely_longer)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
 
@@ -146,7 +166,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if not request.text:
                 raise ValueError("the prompt text is empty")
             self._check_text_length(len(request.text))
-            return await asyncio.to_thread(self.tokenizer.encode, request.text)
+            return await asyncio.to_thread(self._encode_text, request.text)
         if kind == "token_ids":
             return list(request.token_ids.ids)
         return (await self._chat(request.messages))[1]
@@ -187,7 +207,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             text, ids = await self._chat(request.messages)
         else:
             self._check_text_length(len(request.text))  # Tokenize answers for prompts only: the same bound
-            ids = await asyncio.to_thread(self.tokenizer.encode, request.text) if request.text else []
+            ids = await asyncio.to_thread(self._encode_text, request.text) if request.text else []
             text = request.text
         return pb.TokenizeResponse(token_ids=ids, text=text)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 # PreTrainedTokenizerFast, not AutoTokenizer: importing the latter loads torch when it is installed.
@@ -35,6 +36,29 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=True)
 
+    def surely_longer(self, text: str, limit: int) -> bool:
+        """Whether `text` encodes to more than `limit` tokens, found without encoding all of it.
+
+        Encoding builds a few hundred bytes of Python and Rust objects per token: a 1.3M-character
+        text that will be refused anyway took ~400 MB and ~2 s. Here the text goes in pieces of up to
+        PIECE_CHARS, and the count stops once it passes the limit, so the work is bounded by the
+        limit, not by the text. A piece ends before a whitespace character that follows a
+        non-whitespace one: byte-level and metaspace pre-tokenizers never join across such a point,
+        so the pieces' counts add up to the whole's. A cut that finds no such point within
+        CUT_SEARCH_CHARS is forced, and the count then drops FORCED_CUT_SLACK tokens for it, since
+        a cut word may encode to more tokens than it does whole."""
+        backend = self.hf.backend_tokenizer
+        total, start, n = 0, 0, len(text)
+        while start < n:
+            end, slack = min(start + PIECE_CHARS, n), 0
+            if end < n:
+                end, slack = _cut(text, start, end)
+            total += len(backend.encode(text[start:end], add_special_tokens=False).ids) - slack
+            if total > limit:
+                return True
+            start = end
+        return False
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -50,7 +74,24 @@ class Tokenizer:
             raise ValueError("this model has no chat template: send a plain text prompt instead")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        """The conversation's prompt text and ids; the template already holds any special tokens."""
+    def encode_chat(self, messages: list[dict[str, str]],
+                    check: Callable[[str], None] | None = None) -> tuple[str, list[int]]:
+        """The conversation's prompt text and ids; the template already holds any special tokens.
+        `check` sees the templated text before it is encoded (and may refuse it by raising)."""
         text = self.apply_chat_template(messages)
+        if check is not None:
+            check(text)
         return text, self.hf.encode(text, add_special_tokens=False)
+
+
+PIECE_CHARS = 16_384
+CUT_SEARCH_CHARS = 1_024
+FORCED_CUT_SLACK = 16
+
+
+def _cut(text: str, start: int, end: int) -> tuple[int, int]:
+    """Where a piece of text[start:end] should end, and the tokens a cut there may add."""
+    for i in range(end, max(start, end - CUT_SEARCH_CHARS), -1):
+        if text[i].isspace() and not text[i - 1].isspace():
+            return i, 0
+    return end, FORCED_CUT_SLACK

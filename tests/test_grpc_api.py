@@ -205,6 +205,11 @@ def test_cancel_and_deadline_free_blocks(client):
      "characters) is longer than max_model_len"),
     (dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user")] * (MAX_LEN + 1))),
      f"{MAX_LEN + 1} messages cannot fit max_model_len"),
+    # Under that bound but far over the limit: refused once its first pieces hold too many tokens,
+    # without encoding the whole text (hundreds of MB a request at a real model's max_model_len).
+    (dict(text="a b " * (MAX_LEN * 4)), f"characters) has more than max_model_len {MAX_LEN} tokens"),
+    (dict(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a b " * (MAX_LEN * 4))])),
+     f"characters) has more than max_model_len {MAX_LEN} tokens"),
 ])
 def test_invalid_requests(stub, request_kwargs, message):
     err = rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(**request_kwargs))))
@@ -287,6 +292,9 @@ def test_tokenize_refuses_text_no_prompt_could_hold(stub):
     err = rpc_error(lambda: stub.Tokenize(pb.TokenizeRequest(text="the quick brown fox " * 200_000)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "characters) is longer than max_model_len" in err.details()
+    err = rpc_error(lambda: stub.Tokenize(pb.TokenizeRequest(text="a b " * (MAX_LEN * 4))))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"has more than max_model_len {MAX_LEN} tokens" in err.details()
 
 
 def test_client_keepalive_pings_keep_the_connection(server):
