@@ -44,9 +44,10 @@ class Tokenizer:
         PIECE_CHARS, and the count stops once it passes the limit, so the work is bounded by the
         limit, not by the text. A piece ends before a whitespace character that follows a
         non-whitespace one: byte-level and metaspace pre-tokenizers never join across such a point,
-        so the pieces' counts add up to the whole's. A cut that finds no such point within
-        CUT_SEARCH_CHARS is forced, and the count then drops FORCED_CUT_SLACK tokens for it, since
-        a cut word may encode to more tokens than it does whole."""
+        so the pieces' counts add up to the whole's, give or take a prefix a pre-tokenizer may put
+        at the start of each piece (CUT_SLACK tokens a cut are taken off the count for it). A cut
+        that finds no such point within CUT_SEARCH_CHARS is forced, and takes FORCED_CUT_SLACK off,
+        since a cut word may encode to more tokens than it does whole."""
         backend = self.hf.backend_tokenizer
         total, start, n = 0, 0, len(text)
         while start < n:
@@ -86,6 +87,7 @@ class Tokenizer:
 
 PIECE_CHARS = 16_384
 CUT_SEARCH_CHARS = 1_024
+CUT_SLACK = 2
 FORCED_CUT_SLACK = 16
 
 
@@ -93,5 +95,5 @@ def _cut(text: str, start: int, end: int) -> tuple[int, int]:
     """Where a piece of text[start:end] should end, and the tokens a cut there may add."""
     for i in range(end, max(start, end - CUT_SEARCH_CHARS), -1):
         if text[i].isspace() and not text[i - 1].isspace():
-            return i, 0
+            return i, CUT_SLACK
     return end, FORCED_CUT_SLACK

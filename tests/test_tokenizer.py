@@ -40,11 +40,30 @@ def test_never_refuses_a_text_within_the_limit(tok, small_pieces, text, limit):
         assert count(tok, text) > limit
 
 
-@pytest.mark.parametrize("limit", [0, 1, 17, 99, 100, 101, 399, 400])
-def test_exact_where_every_piece_ends_before_a_space(tok, small_pieces, limit):
-    """Cut before a space that follows a word, the pieces' counts add up to the whole text's."""
+def pieces(text: str) -> list[tuple[str, int]]:
+    """The pieces surely_longer makes of text, each with the slack its cut takes off."""
+    out, start = [], 0
+    while start < len(text):
+        end, slack = min(start + tokenizer_module.PIECE_CHARS, len(text)), 0
+        if end < len(text):
+            end, slack = tokenizer_module._cut(text, start, end)
+        out.append((text[start:end], slack))
+        start = end
+    return out
+
+
+def test_exact_where_every_piece_ends_before_a_space(tok, small_pieces):
+    """Cut before a space that follows a word, the pieces' counts add up to the whole text's: it
+    decides every limit but the CUT_SLACK each cut takes off."""
     text = "the quick brown fox jumps over the lazy dog, 東京 🙂 " * 20
-    assert tok.surely_longer(text, limit) == (count(tok, text) > limit)
+    whole, cut = count(tok, text), pieces(text)
+    assert len(cut) > 20 and all(slack == tokenizer_module.CUT_SLACK for _, slack in cut[:-1])
+    assert sum(count(tok, p) for p, _ in cut) == whole
+    slack = sum(s for _, s in cut)
+    for limit in (0, 1, 17, whole - slack - 1):
+        assert tok.surely_longer(text, limit)
+    for limit in (whole, whole + 1, 10 * whole):
+        assert not tok.surely_longer(text, limit)
 
 
 def test_a_long_text_is_decided_from_its_first_pieces(tok, monkeypatch):
