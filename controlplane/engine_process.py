@@ -226,11 +226,12 @@ class EngineClient:
             ready = dict(poller.poll(200))
             poller.unregister(process.sentinel)
             now = time.monotonic()
-            if now - passed > STALL_S:
+            if (stall := now - passed) > STALL_S:
                 # This process did not run (SIGSTOP, swap, a frozen container): the engine process's
-                # beats of that time may not have reached the socket yet, so its silence is ours.
-                log.warning("this process did not run for %.1fs: the engine process gets a fresh window", now - passed)
-                self._last_word = max(self._last_word, now)
+                # beats of that time may not have reached the socket yet, so that silence is ours.
+                log.warning("this process did not run for %.1fs: the engine process's silence of that time "
+                            "is not held against it", stall)
+                self._last_word = min(self._last_word + stall, now)
             passed = now
             if self._events in ready:
                 self._last_word = time.monotonic()

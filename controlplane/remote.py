@@ -298,12 +298,14 @@ class RemoteDataPlane:
         self._send(ident, codec.Welcome(msg.launch_id, launch.epoch))
 
     def _check(self, now: float) -> None:
-        if self._judged_at is not None and now - self._judged_at > STALL_S:
-            log.warning("this process did not run for %.1fs (stopped or starved): the ranks get a fresh "
-                        "heartbeat window", now - self._judged_at)
+        if self._judged_at is not None and (stall := now - self._judged_at) > STALL_S:
+            # The stall's time does not count against anyone: each rank's silence moves on by it, so
+            # the rank that fell silent first (the one that died) is still the one named.
+            log.warning("this process did not run for %.1fs (stopped or starved): the ranks' silence "
+                        "of that time is not held against them", stall)
             for pending in self._launches.values():
                 for r in pending.ranks.values():
-                    r.last_seen = max(r.last_seen, now)
+                    r.last_seen = min(r.last_seen + stall, now)
         self._judged_at = now
         launch = self._attached
         if launch is not None:

@@ -82,10 +82,10 @@ class _Liveness(threading.Thread):
         last_heard = passed = time.monotonic()
         while not self.exit_requested.is_set():
             now = time.monotonic()
-            if now - passed > opts.heartbeat_interval + STALL_S:
+            if (stall := now - passed) > opts.heartbeat_interval + STALL_S:
                 # This rank did not run (SIGSTOP, swap, a frozen container): the control plane's
-                # words of that time may not have reached the socket yet, so the silence is ours.
-                last_heard = max(last_heard, now)
+                # words of that time may not have reached the socket yet, so that silence is ours.
+                last_heard = min(last_heard + stall, now)
             passed = now
             beat = hello
             if self.welcomed.is_set():

@@ -264,6 +264,27 @@ def test_a_stall_of_the_whole_host_is_not_taken_for_the_ranks_silence():
         client.close(stop_data_plane=False)
 
 
+def test_after_a_stall_the_rank_that_fell_silent_first_is_named():
+    """A stall of this process does not count against the ranks, but it must not erase who went
+    quiet first: rank 1 dies, its launcher stops rank 0 a moment later, then this process stalls."""
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=2, heartbeat_timeout=1.0, step_timeout=10)
+    try:
+        ranks = [FakeRank(client.address, launch_id=23, rank=r, world_size=2) for r in (0, 1)]
+        client.start(timeout=5)
+        ranks[1].paused = True
+        time.sleep(0.3)
+        ranks[0].paused = True
+        with client._lock:
+            time.sleep(1.5)
+        time.sleep(1.5)
+        assert not client.ready
+        assert "rank 1 " in client._failure, client._failure
+        for fake in ranks:
+            fake.close()
+    finally:
+        client.close(stop_data_plane=False)
+
+
 def test_a_standby_data_plane_says_so_then_takes_over(caplog):
     client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=5)
     first = second = None
