@@ -205,9 +205,10 @@ class Client:
     def server_status(self) -> pb.ServerStatus:
         return self.stub.GetServerStatus(pb.GetServerStatusRequest())
 
-    def health(self, service: str = "") -> str:
-        """"SERVING" while the server can run requests, "NOT_SERVING" while its data plane is down."""
-        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """"SERVING" while the server can run requests, "NOT_SERVING" while its data plane is down.
+        `timeout`: seconds before the call fails with DEADLINE_EXCEEDED (None: the channel's own)."""
+        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def wait_until_serving(self, timeout: float, still_starting: Callable[[], bool] | None = None,
@@ -219,9 +220,11 @@ class Client:
             if still_starting is not None and not still_starting():
                 raise RuntimeError("the server stopped before it was ready")
             try:
-                if self.health() == "SERVING":
+                # Each call gets what is left of the timeout: a server that accepts the connection
+                # but does not answer (stopped, wedged) must not hold this past its deadline.
+                if self.health(timeout=max(deadline - time.monotonic(), 0.05)) == "SERVING":
                     return
-            except grpc.RpcError:  # not listening yet
+            except grpc.RpcError:  # not listening yet, or no answer in time
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the server was not SERVING within {timeout:.0f} s")

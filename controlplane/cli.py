@@ -196,13 +196,15 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+
     from clients.client import Client
 
     try:
         with Client(args.server) as client:
-            status = client.health()
-    except Exception as e:  # an unreachable server is simply not healthy
-        print(f"nanoplane: {args.server} is not reachable: {e}", file=sys.stderr)
+            status = client.health(timeout=args.timeout)
+    except grpc.RpcError as e:  # an unreachable server is simply not healthy
+        print(f"nanoplane: {args.server} is not reachable: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     print(status)
     return 0 if status == "SERVING" else 1
@@ -251,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("health", help="exit 0 while the server's health service says SERVING")
     h.add_argument("--server", default=f"127.0.0.1:{DEFAULT_PORT}")
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     h.set_defaults(func=cmd_health)
 
     for p in sub.choices.values():
@@ -273,18 +276,31 @@ def apply_environment(parser: argparse.ArgumentParser, environ: os._Environ | di
         if action.nargs == 0:  # a switch: 1/true/yes turn it on
             parsed = value.strip().lower() in ("1", "true", "yes", "on")
         else:
-            parsed = action.type(value) if action.type else value
+            try:
+                parsed = action.type(value) if action.type else value
+            except (TypeError, ValueError):
+                parser.error(f"{names[0]}={value!r} is not a valid value for {longs[0]}")
         action.default = parsed
         action.required = False
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "server", None) is not None and ":" not in args.server:
+        print(f"nanoplane: error: --server must be HOST:PORT, got {args.server!r}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except ValueError as e:
         print(f"nanoplane: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the user knows; a traceback through grpc's threads says nothing
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `nanoplane generate ... | head`: the reader left; say nothing more
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
 
 
 if __name__ == "__main__":

@@ -69,3 +69,45 @@ def test_generate_from_a_server_reports_an_rpc_error_in_one_line(capsys):
     code = main(["generate", "--server", f"127.0.0.1:{free_port()}", "--raw", "hi"])  # nothing listens there
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("nanoplane: UNAVAILABLE: ") and "Traceback" not in err
+
+
+def test_health_of_an_unreachable_server_in_one_line(capsys):
+    from controlplane.cli import free_port, main
+
+    code = main(["health", "--server", f"127.0.0.1:{free_port()}", "--timeout", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and " is not reachable: UNAVAILABLE: " in err
+    assert len(err.strip().splitlines()) == 1 and "debug_error_string" not in err
+
+
+def test_an_empty_server_address_is_refused_not_run_locally(capsys):
+    from controlplane.cli import main
+
+    assert main(["generate", "--server", "", "hi"]) == 2
+    assert "--server must be HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_bad_environment_value_is_an_argument_error(monkeypatch, capsys):
+    monkeypatch.setenv("NANOPLANE_MAX_TOKENS", "abc")
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser()
+    assert exit_info.value.code == 2
+    assert "NANOPLANE_MAX_TOKENS='abc' is not a valid value for --max-tokens" in capsys.readouterr().err
+
+
+def test_waiting_for_a_server_that_never_answers_keeps_its_timeout():
+    """A listener that accepts connections but never speaks gRPC (a wedged or stopped server): each
+    health call gets what is left of the timeout, so the wait ends near it, not at gRPC's own."""
+    import socket
+    import time
+
+    from clients.client import Client
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        with Client(f"127.0.0.1:{listener.getsockname()[1]}") as client:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError):
+                client.wait_until_serving(2.0)
+            assert time.monotonic() - start < 6.0
