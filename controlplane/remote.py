@@ -62,7 +62,7 @@ class _Launch:
 
 # Liveness is judged every ~0.1 s. A gap this long between two judgements means this process did not
 # run (SIGSTOP, swap, a frozen container): the ranks' beats of that time may still sit in ZeroMQ's
-# I/O thread, not yet in the socket, so their silence is ours and they get a fresh window.
+# I/O thread, not yet in the socket, so that time of silence is ours and not held against them.
 STALL_S = 1.0
 
 
