@@ -251,9 +251,11 @@ class AsyncEngine:
         except Exception as exc:
             if isinstance(exc, DataPlaneUnavailable):  # a rank died or went silent: its message says it all
                 log.warning("engine step failed, the data plane is unavailable: %s", exc)
+                reason = str(exc)
             else:  # a bug: keep the traceback
                 log.exception("engine step failed; marking the data plane unavailable")
-            self._set_unready(f"data plane failed: {type(exc).__name__}: {exc}", deliveries)
+                reason = f"data plane failed: {type(exc).__name__}: {exc}"
+            self._set_unready(reason, deliveries)
             return True
         for seq, token in out.produced:
             stream = self._stream_of.get(seq.seq_id)
