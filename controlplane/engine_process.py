@@ -46,6 +46,7 @@ from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.engine_child import EngineFacts, engine_main, unpack_output
 from controlplane.errors import DataPlaneUnavailable
+from controlplane.remote import STALL_S
 from controlplane.sampling_params import SamplingParams
 from controlplane.server import GenerationServer
 from controlplane.stream import EngineStatus, Output, Stream, read_stream, wait_for_free_id
@@ -58,8 +59,6 @@ RESTART_INTERVAL_S = 1.0
 # The serving process kills an engine process it has heard nothing from for this long (from its start,
 # or its last event); a live one beats every engine_child.BEAT_INTERVAL_S.
 ENGINE_SILENCE_S = 10.0
-# The events loop wakes at least every 0.2 s; a longer gap means this process was not running.
-STALL_S = 1.0
 
 
 def engine_process_enabled() -> bool:
@@ -226,7 +225,7 @@ class EngineClient:
             ready = dict(poller.poll(200))
             poller.unregister(process.sentinel)
             now = time.monotonic()
-            if (stall := now - passed) > STALL_S:
+            if (stall := now - passed) > STALL_S:  # the loop wakes at least every 0.2 s
                 # This process did not run (SIGSTOP, swap, a frozen container): the engine process's
                 # beats of that time may not have reached the socket yet, so that silence is ours.
                 log.warning("this process did not run for %.1fs: the engine process's silence of that time "
