@@ -43,6 +43,7 @@ class SymmMemAllReduce:
     """Sums tensors of up to `max_bytes` in one kernel over peer memory; returns None for the rest."""
 
     name = "symm_mem"  # its NANOPLANE_ALLREDUCE value
+    slots = 1  # inputs of up to max_bytes the buffer holds at once
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES,
                  group: dist.ProcessGroup | None = None, meet: bool = True):
@@ -61,8 +62,8 @@ class SymmMemAllReduce:
         self.group = group
         self.group_name = group.group_name
         self.dtype = dtype
-        self.buffer = symm_mem.empty(max_bytes // torch.empty(0, dtype=dtype).element_size(), dtype=dtype,
-                                     device=device)
+        self.capacity = max_bytes // torch.empty(0, dtype=dtype).element_size()  # elements a call takes
+        self.buffer = symm_mem.empty(self.slots * self.capacity, dtype=dtype, device=device)
         if meet:
             self.meet()
 
@@ -74,7 +75,7 @@ class SymmMemAllReduce:
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether x fits the buffer: this dtype, at most its size, contiguous, on the GPU."""
-        return x.dtype == self.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous() and x.is_cuda
+        return x.dtype == self.dtype and x.numel() <= self.capacity and x.is_contiguous() and x.is_cuda
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.takes(x):
@@ -88,34 +89,39 @@ class SymmMemAllReduce:
 
 class TritonOneShotAllReduce(SymmMemAllReduce):
     """The same buffers, summed by kernels/one_shot_all_reduce.py: 128 programs read the peers (torch's
-    kernel stops at 24 blocks), and the kernel copies x in itself."""
+    kernel stops at 24 blocks), and the kernel copies x in itself, into one of two slots that alternate
+    from call to call (so it meets the peers once a call, not twice)."""
 
     name = "triton"
+    slots = 2
 
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kernels.one_shot_all_reduce import max_programs
+        from kernels.one_shot_all_reduce import Peers, max_programs
 
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
-        self.rank, self.world_size = handle.rank, handle.world_size
-        slots = max_programs(self.buffer.device) * self.world_size
-        if handle.signal_pad_size < slots * 4:
-            raise RuntimeError(f"symmetric-memory signal pad of {handle.signal_pad_size} bytes, {slots * 4} needed")
+        device, programs = self.buffer.device, max_programs(self.buffer.device)
+        if handle.signal_pad_size < programs * handle.world_size * 4:
+            raise RuntimeError(f"symmetric-memory signal pad of {handle.signal_pad_size} bytes, "
+                               f"{programs * handle.world_size * 4} needed")
         # Each rank's buffer starts at the same offset inside its allocation as ours does.
-        offset = self.buffer.data_ptr() - handle.buffer_ptrs[self.rank]
+        offset = self.buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
         addresses = [p + offset for p in handle.buffer_ptrs]
         if any(a % 16 for a in addresses):  # the kernel reads them 16 bytes at a time
             raise RuntimeError(f"symmetric buffers not 16-byte aligned: {[hex(a) for a in addresses]}")
-        self.buffers = torch.tensor(addresses, dtype=torch.int64, device=self.buffer.device)
-        self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=self.buffer.device)
+        self.peers = Peers(buffers=torch.tensor(addresses, dtype=torch.int64, device=device),
+                           pads=torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
+                           calls=torch.zeros(programs, dtype=torch.int32, device=device),
+                           slot_bytes=self.capacity * self.buffer.element_size(),
+                           rank=handle.rank, world_size=handle.world_size)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         from kernels.one_shot_all_reduce import one_shot_all_reduce
 
         if not self.takes(x):
             return None
-        return one_shot_all_reduce(x, torch.empty_like(x), self.buffers, self.pads, self.rank, self.world_size)
+        return one_shot_all_reduce(x, torch.empty_like(x), self.peers)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -125,8 +131,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
 
         if not self.takes(x) or x.dim() != 2 or not residual.is_contiguous() or residual.dtype != x.dtype:
             return None
-        return one_shot_all_reduce_rms_norm(x, residual, weight, eps, self.buffers, self.pads, self.rank,
-                                            self.world_size)
+        return one_shot_all_reduce_rms_norm(x, residual, weight, eps, self.peers)
 
 
 CHOICES = {"symm_mem": SymmMemAllReduce, "triton": TritonOneShotAllReduce}

@@ -1,15 +1,24 @@
 """All-reduce of a decode-sized tensor over GPUs that can read each other's memory, in one kernel.
 
-Each rank owns a buffer every rank can address (torch symmetric memory) and a pad of int32 signal
-slots. Program p of the grid, on every rank at once:
+Each rank owns a buffer every rank can address (torch symmetric memory), split in two slots that
+alternate from call to call, and a pad of int32 signal slots. Program p of the grid, on every rank
+at once:
 
-1. copies its share of x into its rank's buffer;
+1. copies its share of x into its rank's buffer, in this call's slot;
 2. meets program p of every other rank: posts a flag into each peer's pad (a release at system
    scope, after a block barrier, so the copy is visible before the flag is), then waits for and
    consumes each peer's flag in its own pad (an acquire);
-3. sums its share over the ranks in rank order (its own x, the peers' buffers over NVLink), in fp32,
-   and writes the sum: every rank gets the same bits;
-4. meets the peers again, so that no rank's next call overwrites a buffer a peer is still reading.
+3. sums its share over the ranks in rank order (its own x, the peers' slots over NVLink), in fp32,
+   and writes the sum: every rank gets the same bits.
+
+Why one meet a call is enough: a peer may still be reading this rank's slot of call n when this
+rank runs ahead into call n + 1, so call n + 1 writes the other slot. Call n + 2 writes the first
+slot again only after call n + 1 has met the peer, and the peer's call n + 1 started after its call
+n had ended (one stream, and these kernels are not launched early by PDL). So the second meet that
+used to guard the buffer's reuse is gone: a cross-GPU round trip less in each of a TP decode
+step's 72 sums. Which slot a call uses is counted on the device, one counter a program, so that
+CUDA graph replays and eager calls keep alternating whatever their order; that is why every call
+launches the full grid (a counter only moves when its program runs).
 
 Program p only ever waits for program p of the peers, whose share is the same, so there is no
 grid-wide barrier; the grid is small enough (128 programs) for every program to be resident. A flag
@@ -23,6 +32,8 @@ does next to the sum (kernels/rmsnorm.py's residual add and RMSNorm, same roundi
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -71,14 +82,20 @@ def _round(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _sum_over_ranks(x_ptr, buffers_ptr, offs, mask, rank, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """fp32 sum of x over the ranks at `offs`, in rank order: this rank's x, the peers' buffers."""
+def _slot(buffers_ptr, r, shift, dtype: tl.constexpr):
+    """Rank r's buffer slot of this call: its address plus `shift` bytes."""
+    return tl.multiple_of((tl.load(buffers_ptr + r) + shift).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _sum_over_ranks(x_ptr, buffers_ptr, shift, offs, mask, rank, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 sum of x over the ranks at `offs`, in rank order: this rank's x, the peers' slots."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == rank:
             part = tl.load(x_ptr + offs, mask=mask, other=0.0)
         else:
-            peer = tl.multiple_of(tl.load(buffers_ptr + r).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
+            peer = _slot(buffers_ptr, r, shift, x_ptr.dtype.element_ty)
             # .cv: fetch from the peer every time, never a line an earlier call left in this SM's L1.
             part = tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv")
         acc += part.to(tl.float32)
@@ -86,12 +103,14 @@ def _sum_over_ranks(x_ptr, buffers_ptr, offs, mask, rank, WORLD: tl.constexpr, B
 
 
 @triton.jit
-def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
+def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, calls_ptr, n, rank, slot_bytes,
                                 WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    own = tl.multiple_of(tl.load(buffers_ptr + rank).to(tl.pointer_type(x_ptr.dtype.element_ty)), 16)
+    calls = tl.load(calls_ptr + pid)
+    shift = (calls % 2).to(tl.int64) * slot_bytes
+    own = _slot(buffers_ptr, rank, shift, x_ptr.dtype.element_ty)
     for start in range(pid * BLOCK, n, step):
         offs = start + lanes
         mask = offs < n
@@ -100,14 +119,14 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, n, rank,
     for start in range(pid * BLOCK, n, step):
         offs = start + lanes
         mask = offs < n
-        acc = _sum_over_ranks(x_ptr, buffers_ptr, offs, mask, rank, WORLD, BLOCK)
+        acc = _sum_over_ranks(x_ptr, buffers_ptr, shift, offs, mask, rank, WORLD, BLOCK)
         tl.store(out_ptr + offs, _round(acc, out_ptr.dtype.element_ty), mask=mask)
-    _meet(pads_ptr, rank, pid, WORLD)
+    tl.store(calls_ptr + pid, calls + 1)
 
 
 @triton.jit
 def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-                                         buffers_ptr, pads_ptr, rows, rank, eps,
+                                         buffers_ptr, pads_ptr, calls_ptr, rows, rank, slot_bytes, eps,
                                          HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr):
     """The all-reduce of x [rows, HIDDEN], then kernels/rmsnorm.py's residual add and RMSNorm, row by
     row, with the same roundings: one kernel where a decoder layer had two."""
@@ -116,7 +135,9 @@ def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_pt
     cols = tl.arange(0, BLOCK)
     cmask = cols < HIDDEN
     dtype = x_ptr.dtype.element_ty
-    own = tl.multiple_of(tl.load(buffers_ptr + rank).to(tl.pointer_type(dtype)), 16)
+    calls = tl.load(calls_ptr + pid)
+    shift = (calls % 2).to(tl.int64) * slot_bytes
+    own = _slot(buffers_ptr, rank, shift, dtype)
     for row in range(pid, rows, nprog):
         offs = row * HIDDEN + cols  # decode-sized: far from int32's limit
         tl.store(own + offs, tl.load(x_ptr + offs, mask=cmask), mask=cmask)
@@ -124,7 +145,7 @@ def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_pt
     w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     for row in range(pid, rows, nprog):
         offs = row * HIDDEN + cols  # decode-sized: far from int32's limit
-        summed = _round(_sum_over_ranks(x_ptr, buffers_ptr, offs, cmask, rank, WORLD, BLOCK), dtype)
+        summed = _round(_sum_over_ranks(x_ptr, buffers_ptr, shift, offs, cmask, rank, WORLD, BLOCK), dtype)
         r = tl.load(residual_ptr + offs, mask=cmask, other=0.0)
         h = _round(summed.to(tl.float32) + r.to(tl.float32), dtype)
         tl.store(residual_out_ptr + offs, h, mask=cmask)
@@ -132,43 +153,59 @@ def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_pt
         hf = hf * tl.rsqrt(tl.sum(hf * hf, 0) / HIDDEN + eps)
         hf = _round(hf, dtype).to(tl.float32)
         tl.store(out_ptr + offs, _round(w * hf, out_ptr.dtype.element_ty), mask=cmask)
-    _meet(pads_ptr, rank, pid, WORLD)
+    tl.store(calls_ptr + pid, calls + 1)
 
 
 def max_programs(device: torch.device) -> int:
-    """The grid's upper bound: the signal pads need this many x world_size int32 slots."""
+    """Programs of every launch: the signal pads need this many x world_size int32 slots, and the
+    call counters this many."""
     return _GPU_PROGRAMS if device.type == "cuda" else _CPU_PROGRAMS
 
 
-def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, buffers: torch.Tensor, pads: torch.Tensor,
-                        rank: int, world_size: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class Peers:
+    """How a rank reaches the others' memory (dataplane/allreduce.py sets it up from symmetric memory)."""
+
+    buffers: torch.Tensor  # int64 [world_size] on the GPU: each rank's buffer address, 16-byte aligned, two slots
+    pads: torch.Tensor  # int64 [world_size]: each rank's signal pad, max_programs() x world_size int32, zero at first
+    calls: torch.Tensor  # int32 [max_programs()]: this rank's calls so far, one counter a program, zero at first
+    slot_bytes: int  # one slot's bytes, a multiple of 16: the largest input a call takes
+    rank: int
+    world_size: int
+
+    def check(self, x: torch.Tensor) -> None:
+        assert self.buffers.shape == self.pads.shape == (self.world_size,)
+        assert self.buffers.dtype == self.pads.dtype == torch.int64
+        assert self.calls.shape == (max_programs(x.device),) and self.calls.dtype == torch.int32
+        assert self.slot_bytes % 16 == 0 and x.numel() * x.element_size() <= self.slot_bytes
+
+
+def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, peers: Peers) -> torch.Tensor:
     """out = the sum of x over the ranks (x contiguous; out like x, may not alias it).
 
-    buffers, pads: int64 [world_size] on x's device, each rank's buffer address (16-byte aligned, at
-    least x's bytes) and signal pad address (at least max_programs() x world_size int32 slots, zero at the start).
-    Every rank must make the same calls with the same sizes, in the same order.
+    Every rank must make the same calls with the same sizes, in the same order, on one stream.
     """
     assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype
-    assert buffers.shape == pads.shape == (world_size,) and buffers.dtype == pads.dtype == torch.int64
+    peers.check(x)
     n = x.numel()
     if n == 0:
         return out
-    grid = min(max_programs(x.device), triton.cdiv(n, _BLOCK))
-    _one_shot_all_reduce_kernel[(grid,)](x, out, buffers, pads, n, rank, WORLD=world_size, BLOCK=_BLOCK,
-                                         num_warps=_NUM_WARPS)
+    _one_shot_all_reduce_kernel[(max_programs(x.device),)](
+        x, out, peers.buffers, peers.pads, peers.calls, n, peers.rank, peers.slot_bytes,
+        WORLD=peers.world_size, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
     return out
 
 
 def one_shot_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                                 buffers: torch.Tensor, pads: torch.Tensor, rank: int, world_size: int,
-                                 *, residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 peers: Peers, *, residual_out: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(sum + residual) * weight, sum + residual), sum = x summed over the ranks: what
     kernels.rms_norm(all_reduce(x), weight, eps, residual) gives, in one kernel. x, residual: [T, H]
-    contiguous, same dtype; weight [H]; buffers and pads as for one_shot_all_reduce. residual_out may
-    alias residual."""
+    contiguous, same dtype; weight [H]; the calls as for one_shot_all_reduce. residual_out may alias
+    residual."""
     assert x.dim() == 2 and x.is_contiguous() and residual.shape == x.shape and residual.is_contiguous()
     assert residual.dtype == x.dtype and weight.shape == (x.shape[1],) and weight.is_contiguous()
-    assert buffers.shape == pads.shape == (world_size,) and buffers.dtype == pads.dtype == torch.int64
+    peers.check(x)
     rows, hidden = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual_out is None else residual_out
@@ -176,7 +213,8 @@ def one_shot_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight
     if rows == 0:
         return out, residual_out
     block = triton.next_power_of_2(hidden)
-    _one_shot_all_reduce_rms_norm_kernel[(min(max_programs(x.device), rows),)](
-        x, residual, weight, out, residual_out, buffers, pads, rows, rank, eps,
-        HIDDEN=hidden, BLOCK=block, WORLD=world_size, num_warps=min(16, max(4, block // 512)))
+    _one_shot_all_reduce_rms_norm_kernel[(max_programs(x.device),)](
+        x, residual, weight, out, residual_out, peers.buffers, peers.pads, peers.calls, rows, peers.rank,
+        peers.slot_bytes, eps, HIDDEN=hidden, BLOCK=block, WORLD=peers.world_size,
+        num_warps=min(16, max(4, block // 512)))
     return out, residual_out

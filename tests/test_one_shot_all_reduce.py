@@ -1,9 +1,9 @@
 """kernels/one_shot_all_reduce.py on a CPU: two processes under Triton's interpreter stand in for two
 GPUs, shared-memory segments for the symmetric buffers and signal pads (each process addresses both,
 as peers address each other's buffers over NVLink). The flags are real atomic compare-and-swaps on
-shared memory, so this runs the kernel's protocol (copy, meet, sum in rank order, meet again) across
-processes, call after call, with one rank slower than the other; the GPU test (tests/test_allreduce.py)
-runs it on two H200s.
+shared memory, so this runs the kernel's protocol (copy into this call's slot, meet, sum in rank
+order) across processes, call after call, with one rank slower than the other; the GPU test
+(tests/test_allreduce.py) runs it on two H200s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-SIZES = (5, 4100, 1, 2049, 4096)  # elements: one program, a grid-stride loop over three, ...
+# Elements: one program, a grid-stride loop over three, ..., and last a whole slot of fp32.
+SIZES = (5, 4100, 1, 2049, 4096, 8192)
 BUFFER_BYTES = 64 << 10
 PAD_BYTES = 4 << 10
 
@@ -28,7 +29,9 @@ def _inputs(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 # The fused all-reduce + residual add + RMSNorm: (rows, hidden); hidden 100 is not a power of two.
-NORM_SHAPES = ((3, 64), (5, 100), (1, 128))
+# The first follows the 8192-element sum, and its program 0 copies row 9 into the bytes that the
+# slow rank's program 2 is still reading from that sum: with one slot, the sum would come out wrong.
+NORM_SHAPES = ((10, 512), (3, 64), (5, 100), (1, 128))
 EPS = 1e-6
 
 
@@ -39,11 +42,11 @@ def _norm_inputs(rows: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tens
 
 
 def _rank(rank: int, names: dict[str, list[str]], queue) -> None:
-    from kernels.one_shot_all_reduce import one_shot_all_reduce, one_shot_all_reduce_rms_norm
+    from kernels.one_shot_all_reduce import Peers, one_shot_all_reduce, one_shot_all_reduce_rms_norm
 
     if rank == 1:
         # Rank 1 reads slowly, so rank 0 runs ahead into its next call while rank 1 still reads rank
-        # 0's buffer from the last one: only the kernel's second meet keeps that buffer unchanged.
+        # 0's buffer from the last one: only the alternating slots keep what rank 1 reads unchanged.
         from triton.runtime.interpreter import InterpreterBuilder
 
         load = InterpreterBuilder.create_masked_load
@@ -57,23 +60,26 @@ def _rank(rank: int, names: dict[str, list[str]], queue) -> None:
     segments = [shared_memory.SharedMemory(name=name) for kind in ("buffers", "pads") for name in names[kind]]
     try:
         views = [torch.from_numpy(np.ndarray(s.size, dtype=np.uint8, buffer=s.buf)) for s in segments]
-        buffers = torch.tensor([v.data_ptr() for v in views[:2]], dtype=torch.int64)
-        pads = torch.tensor([v.data_ptr() for v in views[2:]], dtype=torch.int64)
+        peers = Peers(buffers=torch.tensor([v.data_ptr() for v in views[:2]], dtype=torch.int64),
+                      pads=torch.tensor([v.data_ptr() for v in views[2:]], dtype=torch.int64),
+                      calls=torch.zeros(3, dtype=torch.int32), slot_bytes=BUFFER_BYTES // 2, rank=rank, world_size=2)
         outs = {}
         for dtype in (torch.float32, torch.bfloat16):
             for n in SIZES:
                 x = _inputs(rank, n, dtype)
-                out = one_shot_all_reduce(x, torch.empty_like(x), buffers, pads, rank, 2)
+                out = one_shot_all_reduce(x, torch.empty_like(x), peers)
                 outs[str(dtype), n] = out.float().numpy().copy()  # bf16 -> fp32 is exact; numpy pickles plainly
             for rows, hidden in NORM_SHAPES:
                 x = _inputs(rank, rows * hidden, dtype).view(rows, hidden)
                 residual, weight = _norm_inputs(rows, hidden, dtype)
                 alias = rows == 5  # residual_out may be the residual itself
-                normed, summed = one_shot_all_reduce_rms_norm(x, residual, weight, EPS, buffers, pads, rank, 2,
+                normed, summed = one_shot_all_reduce_rms_norm(x, residual, weight, EPS, peers,
                                                               residual_out=residual if alias else None)
                 assert (summed is residual) == alias
                 outs[str(dtype), "norm", rows] = (normed.float().numpy().copy(), summed.float().numpy().copy())
-        del views, buffers, pads
+        # Every program of every call counted it (the slot's parity is in step on every program).
+        outs["calls"] = peers.calls.tolist()
+        del views, peers
         queue.put((rank, outs))
     finally:
         for s in segments:
@@ -117,7 +123,9 @@ def test_two_ranks_sum_call_after_call():
         outs0, outs1 = results[0], results[1]
         # Every flag posted was consumed: the pads are back to zero for the next call.
         assert not any(bytes(seg.buf).strip(b"\0") for seg in owned[2:])
-        assert len(outs0) == len(outs1) == 2 * (len(SIZES) + len(NORM_SHAPES))
+        calls = 2 * (len(SIZES) + len(NORM_SHAPES))
+        assert outs0.pop("calls") == outs1.pop("calls") == [calls] * 3
+        assert len(outs0) == len(outs1) == calls
         for n in SIZES:
             exact = (_inputs(0, n, torch.float32) + _inputs(1, n, torch.float32)).numpy()
             assert np.array_equal(outs0["torch.float32", n], exact) and np.array_equal(outs1["torch.float32", n], exact)
@@ -146,11 +154,19 @@ def test_two_ranks_sum_call_after_call():
 
 
 def test_the_launcher_checks_its_arguments():
-    from kernels.one_shot_all_reduce import one_shot_all_reduce
+    from dataclasses import replace
+
+    from kernels.one_shot_all_reduce import Peers, one_shot_all_reduce
 
     x = torch.zeros(4)
     table = torch.zeros(2, dtype=torch.int64)
+    peers = Peers(buffers=table, pads=table, calls=torch.zeros(3, dtype=torch.int32), slot_bytes=16, rank=0,
+                  world_size=2)
     with pytest.raises(AssertionError):
-        one_shot_all_reduce(x, torch.zeros(5), table, table, 0, 2)  # out of another shape
+        one_shot_all_reduce(x, torch.zeros(5), peers)  # out of another shape
     with pytest.raises(AssertionError):
-        one_shot_all_reduce(x, torch.zeros(4), table[:1], table, 0, 2)  # one buffer for two ranks
+        one_shot_all_reduce(x, torch.zeros(4), replace(peers, buffers=table[:1]))  # one buffer for two ranks
+    with pytest.raises(AssertionError):
+        one_shot_all_reduce(torch.zeros(5), torch.zeros(5), peers)  # 20 bytes: more than a slot
+    with pytest.raises(AssertionError):
+        one_shot_all_reduce(x, torch.zeros(4), replace(peers, calls=torch.zeros(2, dtype=torch.int32)))
