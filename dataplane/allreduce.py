@@ -8,12 +8,14 @@ device-side barrier and has each rank read and add all the buffers itself: one k
 steps, capturable in a CUDA graph. Larger tensors (prefill) stay with NCCL.
 
 Two kernels: `NANOPLANE_ALLREDUCE=triton`, the default, is kernels/one_shot_all_reduce.py (a program
-per SM: 15 us for 2 MiB against torch's 22 and NCCL's 31; 6.6% more tokens/s for Qwen3-8B on two H200s,
-14,963-15,011 against NCCL's 14,039-14,067 in alternated runs, BENCHMARKS.md); `symm_mem` is torch's
-(at most 24 blocks, 2% more than NCCL); `nccl` turns both off. When the buffers cannot be set up on
+per SM, NVLink writes, one meet a call: 12.1 us for 2 MiB against torch's 22 and NCCL's 31; 6.6% more
+tokens/s for Qwen3-8B on two H200s than NCCL in alternated runs when it still read the peers and met
+them twice, BENCHMARKS.md, and 2-3% more since); `symm_mem` is torch's (at most 24 blocks, 2% more
+than NCCL); `nccl` turns both off. When the buffers cannot be set up on
 every rank, every rank uses NCCL (set_up_everywhere); a rank that dies inside the rendezvous itself
 leaves its peer waiting there, which the control plane's start timeout and heartbeats end.
-Neither uses NVLink multicast (the multimem operations): both read peers with plain loads. The
+Neither uses NVLink multicast (the multimem operations): torch's reads peers with plain loads, the
+Triton one writes them with plain stores. The
 Triton one also offers `add_rms_norm`: the sum, the residual add and the RMSNorm that follows a
 row-parallel layer in one kernel (models/layers/layernorm.py calls it through parallel.py).
 """
@@ -43,7 +45,6 @@ class SymmMemAllReduce:
     """Sums tensors of up to `max_bytes` in one kernel over peer memory; returns None for the rest."""
 
     name = "symm_mem"  # its NANOPLANE_ALLREDUCE value
-    slots = 1  # inputs of up to max_bytes the buffer holds at once
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int = DEFAULT_MAX_BYTES,
                  group: dist.ProcessGroup | None = None, meet: bool = True):
@@ -63,9 +64,14 @@ class SymmMemAllReduce:
         self.group_name = group.group_name
         self.dtype = dtype
         self.capacity = max_bytes // torch.empty(0, dtype=dtype).element_size()  # elements a call takes
-        self.buffer = symm_mem.empty(self.slots * self.capacity, dtype=dtype, device=device)
+        self.buffer = symm_mem.empty(self.slots(dist.get_world_size(group)) * self.capacity, dtype=dtype,
+                                     device=device)
         if meet:
             self.meet()
+
+    def slots(self, world_size: int) -> int:
+        """Inputs of up to max_bytes that the buffer holds at once."""
+        return 1
 
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -88,12 +94,14 @@ class SymmMemAllReduce:
 
 
 class TritonOneShotAllReduce(SymmMemAllReduce):
-    """The same buffers, summed by kernels/one_shot_all_reduce.py: 128 programs read the peers (torch's
-    kernel stops at 24 blocks), and the kernel copies x in itself, into one of two slots that alternate
-    from call to call (so it meets the peers once a call, not twice)."""
+    """Buffers summed by kernels/one_shot_all_reduce.py: 128 programs store x into the peers' buffers
+    (torch's kernel reads the peers with at most 24 blocks), a slot for each rank's part, in two sets
+    that alternate from call to call (so it meets the peers once a call, not twice)."""
 
     name = "triton"
-    slots = 2
+
+    def slots(self, world_size: int) -> int:
+        return 2 * world_size
 
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem

@@ -1,31 +1,32 @@
-"""All-reduce of a decode-sized tensor over GPUs that can read each other's memory, in one kernel.
+"""All-reduce of a decode-sized tensor over GPUs that can write each other's memory, in one kernel.
 
-Each rank owns a buffer every rank can address (torch symmetric memory), split in two slots that
-alternate from call to call, and a pad of int32 signal slots. Program p of the grid, on every rank
-at once:
+Each rank owns a buffer every rank can address (torch symmetric memory) and a pad of int32 signal
+slots. The buffer holds a slot for each rank's part, twice over: calls alternate between the two
+sets. Program p of the grid, on every rank at once:
 
-1. copies its share of x into its rank's buffer, in this call's slot;
+1. stores its share of x into this rank's slot in every peer's buffer (NVLink writes, which need
+   no round trip, where reading the peers' memory waits for each load to come back);
 2. meets program p of every other rank: posts a flag into each peer's pad (a release at system
-   scope, after a block barrier, so the copy is visible before the flag is), then waits for and
+   scope, after a block barrier, so the stores are visible before the flag is), then waits for and
    consumes each peer's flag in its own pad (an acquire);
-3. sums its share over the ranks in rank order (its own x, the peers' slots over NVLink), in fp32,
-   and writes the sum: every rank gets the same bits.
+3. sums its share over the ranks in rank order (its own x, the parts the peers stored in its own
+   buffer, local reads), in fp32, and writes the sum: every rank gets the same bits.
 
-Why one meet a call is enough: a peer may still be reading this rank's slot of call n when this
-rank runs ahead into call n + 1, so call n + 1 writes the other slot. Call n + 2 writes the first
-slot again only after call n + 1 has met the peer, and the peer's call n + 1 started after its call
-n had ended (one stream, and these kernels are not launched early by PDL). So the second meet that
-used to guard the buffer's reuse is gone: a cross-GPU round trip less in each of a TP decode
-step's 72 sums. Which slot a call uses is counted on the device, one counter a program, so that
-CUDA graph replays and eager calls keep alternating whatever their order; that is why every call
-launches the full grid (a counter only moves when its program runs).
+Why one meet a call is enough: a rank may still be reading what its peers stored for call n when a
+peer runs ahead into call n + 1, so call n + 1 writes the other set of slots. Call n + 2 writes the
+first set again only after call n + 1 has met that rank, whose call n + 1 started after its call n
+had ended (one stream, and these kernels are not launched early by PDL). So no second meet guards
+the buffer's reuse: that is a cross-GPU round trip less in each of a TP decode step's 72 sums. Which
+set a call uses is counted on the device, one counter a program, so that CUDA graph replays and
+eager calls keep alternating whatever their order; that is why every call launches the full grid
+(a counter only moves when its program runs).
 
 Program p only ever waits for program p of the peers, whose share is the same, so there is no
 grid-wide barrier; the grid is small enough (128 programs) for every program to be resident. A flag
 is posted with compare-and-swap 0 -> 1 and consumed with 1 -> 0: a rank that runs ahead waits at
 the post until its previous flag has been consumed, so back-to-back calls (as a CUDA graph replays
 them) cannot lose one. torch's own one-shot kernel does the same with at most 24 blocks, which
-leaves the NVLink reads short of SMs (BENCHMARKS.md: 21 us for 2 MiB against a ~5 us floor).
+reads the peers with at most 24 blocks (BENCHMARKS.md: 21 us for 2 MiB against a ~5 us floor).
 
 `one_shot_all_reduce_rms_norm` runs the same protocol row by row and then does what the decoder layer
 does next to the sum (kernels/rmsnorm.py's residual add and RMSNorm, same roundings), in the same kernel.
@@ -88,16 +89,27 @@ def _slot(buffers_ptr, r, shift, dtype: tl.constexpr):
 
 
 @triton.jit
-def _sum_over_ranks(x_ptr, buffers_ptr, shift, offs, mask, rank, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """fp32 sum of x over the ranks at `offs`, in rank order: this rank's x, the peers' slots."""
+def _post(x_ptr, buffers_ptr, first, slot_bytes, offs, mask, rank, WORLD: tl.constexpr):
+    """Stores x at `offs` into this rank's slot of every peer's buffer (NVLink writes)."""
+    part = tl.load(x_ptr + offs, mask=mask)
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            tl.store(_slot(buffers_ptr, r, first + rank * slot_bytes, x_ptr.dtype.element_ty) + offs, part,
+                     mask=mask)
+
+
+@triton.jit
+def _sum_over_ranks(x_ptr, buffers_ptr, first, slot_bytes, offs, mask, rank, WORLD: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """fp32 sum of x over the ranks at `offs`, in rank order: this rank's x, what the peers posted."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for r in tl.static_range(WORLD):
         if r == rank:
             part = tl.load(x_ptr + offs, mask=mask, other=0.0)
         else:
-            peer = _slot(buffers_ptr, r, shift, x_ptr.dtype.element_ty)
-            # .cv: fetch from the peer every time, never a line an earlier call left in this SM's L1.
-            part = tl.load(peer + offs, mask=mask, other=0.0, cache_modifier=".cv")
+            posted = _slot(buffers_ptr, rank, first + r * slot_bytes, x_ptr.dtype.element_ty)
+            # .cv: never a line an earlier call left in this SM's L1 (the peer wrote past it).
+            part = tl.load(posted + offs, mask=mask, other=0.0, cache_modifier=".cv")
         acc += part.to(tl.float32)
     return acc
 
@@ -109,17 +121,15 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, calls_ptr
     step = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
     calls = tl.load(calls_ptr + pid)
-    shift = (calls % 2).to(tl.int64) * slot_bytes
-    own = _slot(buffers_ptr, rank, shift, x_ptr.dtype.element_ty)
+    first = (calls % 2).to(tl.int64) * WORLD * slot_bytes
     for start in range(pid * BLOCK, n, step):
         offs = start + lanes
-        mask = offs < n
-        tl.store(own + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+        _post(x_ptr, buffers_ptr, first, slot_bytes, offs, offs < n, rank, WORLD)
     _meet(pads_ptr, rank, pid, WORLD)
     for start in range(pid * BLOCK, n, step):
         offs = start + lanes
         mask = offs < n
-        acc = _sum_over_ranks(x_ptr, buffers_ptr, shift, offs, mask, rank, WORLD, BLOCK)
+        acc = _sum_over_ranks(x_ptr, buffers_ptr, first, slot_bytes, offs, mask, rank, WORLD, BLOCK)
         tl.store(out_ptr + offs, _round(acc, out_ptr.dtype.element_ty), mask=mask)
     tl.store(calls_ptr + pid, calls + 1)
 
@@ -136,16 +146,15 @@ def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_pt
     cmask = cols < HIDDEN
     dtype = x_ptr.dtype.element_ty
     calls = tl.load(calls_ptr + pid)
-    shift = (calls % 2).to(tl.int64) * slot_bytes
-    own = _slot(buffers_ptr, rank, shift, dtype)
+    first = (calls % 2).to(tl.int64) * WORLD * slot_bytes
     for row in range(pid, rows, nprog):
-        offs = row * HIDDEN + cols  # decode-sized: far from int32's limit
-        tl.store(own + offs, tl.load(x_ptr + offs, mask=cmask), mask=cmask)
+        _post(x_ptr, buffers_ptr, first, slot_bytes, row * HIDDEN + cols, cmask, rank, WORLD)
     _meet(pads_ptr, rank, pid, WORLD)
     w = tl.load(weight_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     for row in range(pid, rows, nprog):
         offs = row * HIDDEN + cols  # decode-sized: far from int32's limit
-        summed = _round(_sum_over_ranks(x_ptr, buffers_ptr, shift, offs, cmask, rank, WORLD, BLOCK), dtype)
+        summed = _round(_sum_over_ranks(x_ptr, buffers_ptr, first, slot_bytes, offs, cmask, rank, WORLD, BLOCK),
+                        dtype)
         r = tl.load(residual_ptr + offs, mask=cmask, other=0.0)
         h = _round(summed.to(tl.float32) + r.to(tl.float32), dtype)
         tl.store(residual_out_ptr + offs, h, mask=cmask)
@@ -166,7 +175,8 @@ def max_programs(device: torch.device) -> int:
 class Peers:
     """How a rank reaches the others' memory (dataplane/allreduce.py sets it up from symmetric memory)."""
 
-    buffers: torch.Tensor  # int64 [world_size] on the GPU: each rank's buffer address, 16-byte aligned, two slots
+    # int64 [world_size] on the GPU: each rank's buffer address, 16-byte aligned, 2 x world_size slots
+    buffers: torch.Tensor
     pads: torch.Tensor  # int64 [world_size]: each rank's signal pad, max_programs() x world_size int32, zero at first
     calls: torch.Tensor  # int32 [max_programs()]: this rank's calls so far, one counter a program, zero at first
     slot_bytes: int  # one slot's bytes, a multiple of 16: the largest input a call takes

@@ -19,7 +19,7 @@ import torch
 
 # Elements: one program, a grid-stride loop over three, ..., and last a whole slot of fp32.
 SIZES = (5, 4100, 1, 2049, 4096, 8192)
-BUFFER_BYTES = 64 << 10
+BUFFER_BYTES = 128 << 10  # two sets of a 32 KiB slot for each of the two ranks
 PAD_BYTES = 4 << 10
 
 
@@ -46,7 +46,7 @@ def _rank(rank: int, names: dict[str, list[str]], queue) -> None:
 
     if rank == 1:
         # Rank 1 reads slowly, so rank 0 runs ahead into its next call while rank 1 still reads rank
-        # 0's buffer from the last one: only the alternating slots keep what rank 1 reads unchanged.
+        # 0's part of the last one: only the alternating slots keep what rank 1 reads unchanged.
         from triton.runtime.interpreter import InterpreterBuilder
 
         load = InterpreterBuilder.create_masked_load
@@ -62,7 +62,7 @@ def _rank(rank: int, names: dict[str, list[str]], queue) -> None:
         views = [torch.from_numpy(np.ndarray(s.size, dtype=np.uint8, buffer=s.buf)) for s in segments]
         peers = Peers(buffers=torch.tensor([v.data_ptr() for v in views[:2]], dtype=torch.int64),
                       pads=torch.tensor([v.data_ptr() for v in views[2:]], dtype=torch.int64),
-                      calls=torch.zeros(3, dtype=torch.int32), slot_bytes=BUFFER_BYTES // 2, rank=rank, world_size=2)
+                      calls=torch.zeros(3, dtype=torch.int32), slot_bytes=BUFFER_BYTES // 4, rank=rank, world_size=2)
         outs = {}
         for dtype in (torch.float32, torch.bfloat16):
             for n in SIZES:
