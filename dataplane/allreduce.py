@@ -10,7 +10,7 @@ steps, capturable in a CUDA graph. Larger tensors (prefill) stay with NCCL.
 Two kernels: `NANOPLANE_ALLREDUCE=triton`, the default, is kernels/one_shot_all_reduce.py (a program
 per SM, NVLink writes, one meet a call: 12.1 us for 2 MiB against torch's 22 and NCCL's 31; 6.6% more
 tokens/s for Qwen3-8B on two H200s than NCCL in alternated runs when it still read the peers and met
-them twice, BENCHMARKS.md, and 2-3% more since); `symm_mem` is torch's (at most 24 blocks, 2% more
+them twice, BENCHMARKS.md, and about 2% more since); `symm_mem` is torch's (at most 24 blocks, 2% more
 than NCCL); `nccl` turns both off. When the buffers cannot be set up on
 every rank, every rank uses NCCL (set_up_everywhere); a rank that dies inside the rendezvous itself
 leaves its peer waiting there, which the control plane's start timeout and heartbeats end.
