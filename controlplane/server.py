@@ -220,7 +220,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                             max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
                             tensor_parallel_size=info.world_size, kv_block_size=engine.block_size,
                             eos_token_ids=self.tokenizer.eos_token_ids,
-                            has_chat_template=self.tokenizer.has_chat_template)
+                            has_chat_template=self.tokenizer.has_chat_template,
+                            kv_capacity_tokens=engine.kv_capacity_tokens)
 
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
         s = self.engine.status()

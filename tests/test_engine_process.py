@@ -39,6 +39,7 @@ def test_streams_equal_the_embedded_engine_and_bad_input_is_refused(tiny_models,
         assert [greedy(server, p) for p in prompts()] == embedded_tokens
         status = server.client.server_status()
         assert status.data_plane_ready and status.kv_blocks_used == 0 and status.kv_blocks_total > 0
+        assert info.kv_capacity_tokens == status.kv_blocks_total * info.kv_block_size
         for prompt, max_tokens, words in (([info.vocab_size], 4, "token ids must be integers"),
                                           ([1, 2, 3], 10**6, "max_model_len"), ([], 4, "empty")):
             with pytest.raises(grpc.RpcError) as err:

@@ -347,6 +347,7 @@ def test_model_info_and_tokenize(client, llm):
     assert (info.model, info.architecture, info.max_model_len, info.vocab_size) == ("tiny", "Qwen3ForCausalLM",
                                                                                     MAX_LEN, 384)
     assert info.tensor_parallel_size == 1 and info.kv_block_size == 16 and info.has_chat_template
+    assert info.kv_capacity_tokens == BLOCKS * 16
     assert list(info.eos_token_ids) == [llm.tokenizer.hf.eos_token_id]
     assert client.tokenize("the quick ☃") == llm.tokenizer.encode("the quick ☃")
     status = client.server_status()
