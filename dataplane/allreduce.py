@@ -2,10 +2,11 @@
 
 Each decoder layer sums its row-parallel outputs over the ranks twice. At decode sizes (1.6 MB for
 200 rows of Qwen3-8B) NCCL's ring took 17 us a call on two H200s linked by NVLink, 14% of a
-full-batch step's GPU time (BENCHMARKS.md, 8B TP=2 profile). A one-shot all-reduce instead copies the
-input into a buffer every rank can address (torch symmetric memory), meets the other ranks at a
-device-side barrier and has each rank read and add all the buffers itself: one kernel, no ring
-steps, capturable in a CUDA graph. Larger tensors (prefill) stay with NCCL.
+full-batch step's GPU time (BENCHMARKS.md, 8B TP=2 profile). A one-shot all-reduce instead puts
+every rank's input where every rank can reach it (buffers in torch symmetric memory, which each GPU
+addresses over NVLink), meets the other ranks at a device-side barrier and has each rank add all the
+parts itself: one kernel, no ring steps, capturable in a CUDA graph. Larger tensors (prefill) stay
+with NCCL.
 
 Two kernels: `NANOPLANE_ALLREDUCE=triton`, the default, is kernels/one_shot_all_reduce.py (a program
 per SM, NVLink writes, one meet a call: 12.1 us for 2 MiB against torch's 22 and NCCL's 31; 6.6% more
@@ -120,7 +121,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
             raise RuntimeError(f"symmetric buffers not 16-byte aligned: {[hex(a) for a in addresses]}")
         self.peers = Peers(buffers=torch.tensor(addresses, dtype=torch.int64, device=device),
                            pads=torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
-                           calls=torch.zeros(programs, dtype=torch.int32, device=device),
+                           phase=torch.zeros(programs, dtype=torch.int32, device=device),
                            slot_bytes=self.capacity * self.buffer.element_size(),
                            rank=handle.rank, world_size=handle.world_size)
 

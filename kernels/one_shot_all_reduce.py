@@ -17,16 +17,16 @@ peer runs ahead into call n + 1, so call n + 1 writes the other set of slots. Ca
 first set again only after call n + 1 has met that rank, whose call n + 1 started after its call n
 had ended (one stream, and these kernels are not launched early by PDL). So no second meet guards
 the buffer's reuse: that is a cross-GPU round trip less in each of a TP decode step's 72 sums. Which
-set a call uses is counted on the device, one counter a program, so that CUDA graph replays and
-eager calls keep alternating whatever their order; that is why every call launches the full grid
-(a counter only moves when its program runs).
+set a call uses is kept on the device, one bit a program that the program flips, so that CUDA graph
+replays and eager calls keep alternating whatever their order; that is why every call launches the
+full grid (a bit only flips when its program runs).
 
 Program p only ever waits for program p of the peers, whose share is the same, so there is no
 grid-wide barrier; the grid is small enough (128 programs) for every program to be resident. A flag
 is posted with compare-and-swap 0 -> 1 and consumed with 1 -> 0: a rank that runs ahead waits at
 the post until its previous flag has been consumed, so back-to-back calls (as a CUDA graph replays
-them) cannot lose one. torch's own one-shot kernel does the same with at most 24 blocks, which
-reads the peers with at most 24 blocks (BENCHMARKS.md: 21 us for 2 MiB against a ~5 us floor).
+them) cannot lose one. torch's own one-shot kernel reads the peers' buffers with at most 24 blocks
+and meets them twice a call (BENCHMARKS.md: 21 us for 2 MiB against a ~5 us floor).
 
 `one_shot_all_reduce_rms_norm` runs the same protocol row by row and then does what the decoder layer
 does next to the sum (kernels/rmsnorm.py's residual add and RMSNorm, same roundings), in the same kernel.
@@ -70,7 +70,7 @@ def _meet(pads_ptr, rank, slot, WORLD: tl.constexpr):
             seen = tl.atomic_cas(own_pad + slot * WORLD + r, 1, 0, sem="acquire", scope="sys")
             while seen != 1:
                 seen = tl.atomic_cas(own_pad + slot * WORLD + r, 1, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()  # no thread reads a peer's buffer before the flags are in
+    tl.debug_barrier()  # no thread reads what the peers stored before their flags are in
 
 
 @triton.jit
@@ -115,13 +115,13 @@ def _sum_over_ranks(x_ptr, buffers_ptr, first, slot_bytes, offs, mask, rank, WOR
 
 
 @triton.jit
-def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, calls_ptr, n, rank, slot_bytes,
+def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, phase_ptr, n, rank, slot_bytes,
                                 WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     lanes = tl.arange(0, BLOCK)
-    calls = tl.load(calls_ptr + pid)
-    first = (calls % 2).to(tl.int64) * WORLD * slot_bytes
+    phase = tl.load(phase_ptr + pid)
+    first = phase.to(tl.int64) * WORLD * slot_bytes
     for start in range(pid * BLOCK, n, step):
         offs = start + lanes
         _post(x_ptr, buffers_ptr, first, slot_bytes, offs, offs < n, rank, WORLD)
@@ -131,12 +131,12 @@ def _one_shot_all_reduce_kernel(x_ptr, out_ptr, buffers_ptr, pads_ptr, calls_ptr
         mask = offs < n
         acc = _sum_over_ranks(x_ptr, buffers_ptr, first, slot_bytes, offs, mask, rank, WORLD, BLOCK)
         tl.store(out_ptr + offs, _round(acc, out_ptr.dtype.element_ty), mask=mask)
-    tl.store(calls_ptr + pid, calls + 1)
+    tl.store(phase_ptr + pid, 1 - phase)
 
 
 @triton.jit
 def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-                                         buffers_ptr, pads_ptr, calls_ptr, rows, rank, slot_bytes, eps,
+                                         buffers_ptr, pads_ptr, phase_ptr, rows, rank, slot_bytes, eps,
                                          HIDDEN: tl.constexpr, BLOCK: tl.constexpr, WORLD: tl.constexpr):
     """The all-reduce of x [rows, HIDDEN], then kernels/rmsnorm.py's residual add and RMSNorm, row by
     row, with the same roundings: one kernel where a decoder layer had two."""
@@ -145,8 +145,8 @@ def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_pt
     cols = tl.arange(0, BLOCK)
     cmask = cols < HIDDEN
     dtype = x_ptr.dtype.element_ty
-    calls = tl.load(calls_ptr + pid)
-    first = (calls % 2).to(tl.int64) * WORLD * slot_bytes
+    phase = tl.load(phase_ptr + pid)
+    first = phase.to(tl.int64) * WORLD * slot_bytes
     for row in range(pid, rows, nprog):
         _post(x_ptr, buffers_ptr, first, slot_bytes, row * HIDDEN + cols, cmask, rank, WORLD)
     _meet(pads_ptr, rank, pid, WORLD)
@@ -162,12 +162,12 @@ def _one_shot_all_reduce_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_pt
         hf = hf * tl.rsqrt(tl.sum(hf * hf, 0) / HIDDEN + eps)
         hf = _round(hf, dtype).to(tl.float32)
         tl.store(out_ptr + offs, _round(w * hf, out_ptr.dtype.element_ty), mask=cmask)
-    tl.store(calls_ptr + pid, calls + 1)
+    tl.store(phase_ptr + pid, 1 - phase)
 
 
 def max_programs(device: torch.device) -> int:
-    """Programs of every launch: the signal pads need this many x world_size int32 slots, and the
-    call counters this many."""
+    """Programs of every launch: the signal pads need this many x world_size int32 slots, and
+    Peers.phase this many entries."""
     return _GPU_PROGRAMS if device.type == "cuda" else _CPU_PROGRAMS
 
 
@@ -178,15 +178,16 @@ class Peers:
     # int64 [world_size] on the GPU: each rank's buffer address, 16-byte aligned, 2 x world_size slots
     buffers: torch.Tensor
     pads: torch.Tensor  # int64 [world_size]: each rank's signal pad, max_programs() x world_size int32, zero at first
-    calls: torch.Tensor  # int32 [max_programs()]: this rank's calls so far, one counter a program, zero at first
+    phase: torch.Tensor  # int32 [max_programs()]: the set of slots each program's next call uses, 0 or 1; 0 at first
     slot_bytes: int  # one slot's bytes, a multiple of 16: the largest input a call takes
     rank: int
     world_size: int
 
     def check(self, x: torch.Tensor) -> None:
-        assert self.buffers.shape == self.pads.shape == (self.world_size,)
+        assert 0 <= self.rank < self.world_size and self.buffers.shape == self.pads.shape == (self.world_size,)
         assert self.buffers.dtype == self.pads.dtype == torch.int64
-        assert self.calls.shape == (max_programs(x.device),) and self.calls.dtype == torch.int32
+        assert self.phase.shape == (max_programs(x.device),) and self.phase.dtype == torch.int32
+        assert self.buffers.device == self.pads.device == self.phase.device == x.device
         assert self.slot_bytes % 16 == 0 and x.numel() * x.element_size() <= self.slot_bytes
 
 
@@ -201,7 +202,7 @@ def one_shot_all_reduce(x: torch.Tensor, out: torch.Tensor, peers: Peers) -> tor
     if n == 0:
         return out
     _one_shot_all_reduce_kernel[(max_programs(x.device),)](
-        x, out, peers.buffers, peers.pads, peers.calls, n, peers.rank, peers.slot_bytes,
+        x, out, peers.buffers, peers.pads, peers.phase, n, peers.rank, peers.slot_bytes,
         WORLD=peers.world_size, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
     return out
 
@@ -224,7 +225,7 @@ def one_shot_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight
         return out, residual_out
     block = triton.next_power_of_2(hidden)
     _one_shot_all_reduce_rms_norm_kernel[(max_programs(x.device),)](
-        x, residual, weight, out, residual_out, peers.buffers, peers.pads, peers.calls, rows, peers.rank,
+        x, residual, weight, out, residual_out, peers.buffers, peers.pads, peers.phase, rows, peers.rank,
         peers.slot_bytes, eps, HIDDEN=hidden, BLOCK=block, WORLD=peers.world_size,
         num_warps=min(16, max(4, block // 512)))
     return out, residual_out
