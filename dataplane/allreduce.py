@@ -117,7 +117,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
         # Each rank's buffer starts at the same offset inside its allocation as ours does.
         offset = self.buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
         addresses = [p + offset for p in handle.buffer_ptrs]
-        if any(a % 16 for a in addresses):  # the kernel reads them 16 bytes at a time
+        if any(a % 16 for a in addresses):  # the kernel moves 16 bytes at a time to and from them
             raise RuntimeError(f"symmetric buffers not 16-byte aligned: {[hex(a) for a in addresses]}")
         self.peers = Peers(buffers=torch.tensor(addresses, dtype=torch.int64, device=device),
                            pads=torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device),
