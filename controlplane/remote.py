@@ -64,6 +64,10 @@ class _Launch:
 # run (SIGSTOP, swap, a frozen container): the ranks' beats of that time may still sit in ZeroMQ's
 # I/O thread, not yet in the socket, so that time of silence is ours and not held against them.
 STALL_S = 1.0
+# Retired launch ids remembered, newest last: a retired launch's ranks may say hello again until their
+# control timeout ends them, and are told to go. Older ones are long gone, and the data-plane port has
+# no authentication, so a flood of made-up launches must not grow the set without bound.
+RETIRED_KEPT = 1024
 
 
 class RemoteDataPlane:
@@ -89,7 +93,7 @@ class RemoteDataPlane:
         self.address: str = self._sock.last_endpoint.decode()
         self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
         self._launches: dict[int, _Launch] = {}
-        self._retired: set[int] = set()
+        self._retired: dict[int, None] = {}  # an ordered set: see RETIRED_KEPT
         self._attached: _Launch | None = None
         self._failure = "no data plane attached yet"
         self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
@@ -334,7 +338,9 @@ class RemoteDataPlane:
 
     def _retire(self, launch: _Launch, exit_code: int, reason: str) -> None:
         self._launches.pop(launch.launch_id, None)
-        self._retired.add(launch.launch_id)
+        self._retired[launch.launch_id] = None
+        if len(self._retired) > RETIRED_KEPT:
+            del self._retired[next(iter(self._retired))]
         for r in launch.ranks.values():
             self._send(r.beat_ident, codec.Shutdown(exit_code, reason))
             if r.data_ident:

@@ -180,3 +180,6 @@ def test_the_launcher_checks_its_arguments():
         one_shot_all_reduce(x, torch.zeros(4), replace(peers, phase=torch.zeros(2, dtype=torch.int32)))
     with pytest.raises(AssertionError):
         one_shot_all_reduce(x, torch.zeros(4), replace(peers, rank=2))  # no such rank
+    # Nothing to sum: no launch on any rank, so no program's set flips and the ranks stay in step.
+    empty = torch.zeros(0)
+    assert one_shot_all_reduce(empty, empty, peers) is empty and peers.phase.tolist() == [0, 0, 0]

@@ -25,7 +25,7 @@ from conftest import ROOT
 
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
-from controlplane.remote import EXIT_RESTART, DataPlaneUnavailable, RemoteDataPlane
+from controlplane.remote import EXIT_CONFIG, EXIT_RESTART, DataPlaneUnavailable, RemoteDataPlane
 from controlplane.sampling_params import SamplingParams
 from proto import codec
 from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
@@ -320,6 +320,31 @@ def test_malformed_messages_are_logged_at_most_once_a_second(caplog):
         assert len(lines) == 1, [r.getMessage() for r in lines][:3]
     finally:
         junk.close(0)
+        client.close(stop_data_plane=False)
+
+
+def test_retired_launches_are_remembered_up_to_a_bound(monkeypatch):
+    import controlplane.remote as remote
+
+    monkeypatch.setattr(remote, "RETIRED_KEPT", 4)
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1)
+    peer = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
+    try:
+        peer.connect(client.address)
+
+        def hello(launch_id: int, world_size: int) -> int:
+            peer.send_multipart(codec.encode_control(codec.Hello(launch_id, 0, world_size, os.getpid())))
+            assert peer.poll(2000)
+            reply = codec.decode(peer.recv_multipart())
+            assert isinstance(reply, codec.Shutdown)
+            return reply.exit_code
+
+        # Launches of the wrong size, each retired as it says hello (a made-up flood looks the same).
+        assert all(hello(launch_id, 2) == EXIT_CONFIG for launch_id in range(100, 110))
+        assert list(client._retired) == [106, 107, 108, 109]
+        assert hello(109, 1) == EXIT_RESTART  # a recent one is still told to go, whatever it says now
+    finally:
+        peer.close(0)
         client.close(stop_data_plane=False)
 
 
