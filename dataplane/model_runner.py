@@ -216,7 +216,12 @@ class ModelRunner:
         if launched.done is not None:
             launched.done.synchronize()
         host = launched.host
-        ids = np.zeros(0, dtype=np.int32) if host is None else np.array(host, dtype=np.int32, copy=True)
+        if host is None:
+            ids = np.zeros(0, dtype=np.int32)
+        elif isinstance(host, torch.Tensor):  # a pinned buffer, reused two steps later: copy it out
+            ids = host.numpy().copy()
+        else:  # the CPU path's array, already the step's own
+            ids = host
         return StepResult(launched.step_id, ids, forward_time_s=time.perf_counter() - launched.start)
 
     @torch.inference_mode()
