@@ -68,6 +68,10 @@ STALL_S = 1.0
 # control timeout ends them, and are told to go. Older ones are long gone, and the data-plane port has
 # no authentication, so a flood of made-up launches must not grow the set without bound.
 RETIRED_KEPT = 1024
+# Messages handled per drain while holding the lock. A peer flooding the port (it has no authentication)
+# would otherwise keep a drain going, and the engine waiting for the lock, as long as the flood lasts.
+# ZeroMQ's ROUTER takes turns between peers, so the ranks' beats and results still get read.
+PUMP_MAX = 1000
 
 
 class RemoteDataPlane:
@@ -219,10 +223,10 @@ class RemoteDataPlane:
         self._check(time.monotonic())
 
     def _pump(self, timeout_s: float) -> None:
-        """Handle every message that arrives within timeout_s (and those already queued)."""
+        """Handle the messages that arrive within timeout_s (and those already queued), PUMP_MAX at most."""
         if not self._sock.poll(max(timeout_s, 0) * 1000):
             return
-        while True:
+        for _ in range(PUMP_MAX):
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -348,6 +348,26 @@ def test_retired_launches_are_remembered_up_to_a_bound(monkeypatch):
         client.close(stop_data_plane=False)
 
 
+def test_a_flood_on_the_port_is_drained_in_batches(monkeypatch):
+    import controlplane.remote as remote
+
+    monkeypatch.setattr(remote, "PUMP_MAX", 5)
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1)
+    junk = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
+    try:
+        junk.connect(client.address)
+        with client._lock:  # the watcher thread cannot drain them meanwhile
+            for _ in range(50):
+                junk.send_multipart([b"GET / HTTP/1.1"])
+            time.sleep(0.5)
+            client._pump(0)
+            # 45 are still queued: the drain gave the lock back instead of reading on while more came.
+            assert client._sock.poll(0)
+    finally:
+        junk.close(0)
+        client.close(stop_data_plane=False)
+
+
 def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, tmp_path, launchers):
     client = RemoteDataPlane(f"ipc://{tmp_path}/control", world_size=1)
     try:
