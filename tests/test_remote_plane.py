@@ -307,65 +307,58 @@ def test_a_standby_data_plane_says_so_then_takes_over(caplog):
                 fake.close()
 
 
-def test_malformed_messages_are_logged_at_most_once_a_second(caplog):
+@pytest.fixture
+def idle_client():
+    """A control plane with no data plane, and a raw peer connected to its port."""
     client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1)
-    junk = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
-    try:
-        junk.connect(client.address)
-        for _ in range(500):
-            junk.send_multipart([b"GET / HTTP/1.1"])
-        time.sleep(0.5)  # the watcher thread reads them while idle
-        lines = [r for r in caplog.records if r.name == "nanoplane.remote" and r.levelname == "WARNING"]
-        # The first is logged at once; the rest are counted into the next line, a second later.
-        assert len(lines) == 1, [r.getMessage() for r in lines][:3]
-    finally:
-        junk.close(0)
-        client.close(stop_data_plane=False)
+    peer = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
+    peer.connect(client.address)
+    yield client, peer
+    peer.close(0)
+    client.close(stop_data_plane=False)
 
 
-def test_retired_launches_are_remembered_up_to_a_bound(monkeypatch):
+def test_malformed_messages_are_logged_at_most_once_a_second(idle_client, caplog):
+    client, junk = idle_client
+    for _ in range(500):
+        junk.send_multipart([b"GET / HTTP/1.1"])
+    time.sleep(0.5)  # the watcher thread reads them while idle
+    lines = [r for r in caplog.records if r.name == "nanoplane.remote" and r.levelname == "WARNING"]
+    # The first is logged at once; the rest are counted into the next line, a second later.
+    assert len(lines) == 1, [r.getMessage() for r in lines][:3]
+
+
+def test_retired_launches_are_remembered_up_to_a_bound(idle_client, monkeypatch):
     import controlplane.remote as remote
 
     monkeypatch.setattr(remote, "RETIRED_KEPT", 4)
-    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1)
-    peer = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
-    try:
-        peer.connect(client.address)
+    client, peer = idle_client
 
-        def hello(launch_id: int, world_size: int) -> int:
-            peer.send_multipart(codec.encode_control(codec.Hello(launch_id, 0, world_size, os.getpid())))
-            assert peer.poll(2000)
-            reply = codec.decode(peer.recv_multipart())
-            assert isinstance(reply, codec.Shutdown)
-            return reply.exit_code
+    def hello(launch_id: int, world_size: int) -> int:
+        peer.send_multipart(codec.encode_control(codec.Hello(launch_id, 0, world_size, os.getpid())))
+        assert peer.poll(2000)
+        reply = codec.decode(peer.recv_multipart())
+        assert isinstance(reply, codec.Shutdown)
+        return reply.exit_code
 
-        # Launches of the wrong size, each retired as it says hello (a made-up flood looks the same).
-        assert all(hello(launch_id, 2) == EXIT_CONFIG for launch_id in range(100, 110))
-        assert list(client._retired) == [106, 107, 108, 109]
-        assert hello(109, 1) == EXIT_RESTART  # a recent one is still told to go, whatever it says now
-    finally:
-        peer.close(0)
-        client.close(stop_data_plane=False)
+    # Launches of the wrong size, each retired as it says hello (a made-up flood looks the same).
+    assert all(hello(launch_id, 2) == EXIT_CONFIG for launch_id in range(100, 110))
+    assert list(client._retired) == [106, 107, 108, 109]
+    assert hello(109, 1) == EXIT_RESTART  # a recent one is still told to go, whatever it says now
 
 
-def test_a_flood_on_the_port_is_drained_in_batches(monkeypatch):
+def test_a_flood_on_the_port_is_drained_in_batches(idle_client, monkeypatch):
     import controlplane.remote as remote
 
     monkeypatch.setattr(remote, "PUMP_MAX", 5)
-    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1)
-    junk = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
-    try:
-        junk.connect(client.address)
-        with client._lock:  # the watcher thread cannot drain them meanwhile
-            for _ in range(50):
-                junk.send_multipart([b"GET / HTTP/1.1"])
-            time.sleep(0.5)
-            client._pump(0)
-            # 45 are still queued: the drain gave the lock back instead of reading on while more came.
-            assert client._sock.poll(0)
-    finally:
-        junk.close(0)
-        client.close(stop_data_plane=False)
+    client, junk = idle_client
+    with client._lock:  # the watcher thread cannot drain them meanwhile
+        for _ in range(50):
+            junk.send_multipart([b"GET / HTTP/1.1"])
+        time.sleep(0.5)
+        client._pump(0)
+        # 45 are still queued: the drain gave the lock back instead of reading on while more came.
+        assert client._sock.poll(0)
 
 
 def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, tmp_path, launchers):
