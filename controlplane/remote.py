@@ -217,8 +217,9 @@ class RemoteDataPlane:
                     self._lock.release()
 
     def _refresh(self) -> None:
-        """Read what is queued, then judge the ranks' liveness. In that order: after a stall of this
-        process (SIGSTOP, swap, a long GC) the ranks' heartbeats wait in the socket, and their age is ours."""
+        """Read what is queued (PUMP_MAX at most, in turns between peers), then judge the ranks' liveness.
+        In that order: after a stall of this process (SIGSTOP, swap, a long GC) the ranks' heartbeats wait
+        in the socket, and their age is ours."""
         self._pump(0)
         self._check(time.monotonic())
 
