@@ -30,6 +30,7 @@ from models.context import AttentionContext, reset_context, set_context
 from models.layers.fused import enable_fused_kernels
 from models.layers.parallel import set_fast_all_reduce
 from models.loader import load_model
+from models.norm_fold import fold_norms
 from models.registry import model_class
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
@@ -101,6 +102,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, cfg.model)
+        fold_norms(self.model)
         self.model.eval()
         self.sampler = Sampler(self.device, cfg.seed)
         # Before the KV cache takes the memory the scratch logits borrow. Every rank draws from its

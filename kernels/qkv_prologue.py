@@ -13,14 +13,19 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_prologue
+from kernels.rmsnorm import row_inv_rms
 
 
 @triton.jit
-def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, like_ptr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, scale, like_ptr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, ROW_NORM: tl.constexpr):
     """x1, x2: [heads, BLOCK_HALF] fp32 halves of each head -> the rotated halves, rounded to the
-    element type of `like_ptr` (the model dtype)."""
+    element type of `like_ptr` (the model dtype). With ROW_NORM they are first scaled by `scale`
+    and rounded: the projection of the un-normalised row made to the projection of the normed one."""
     OUT_DTYPE = like_ptr.dtype.element_ty
+    if ROW_NORM:
+        x1 = (x1 * scale).to(OUT_DTYPE).to(tl.float32)
+        x2 = (x2 * scale).to(OUT_DTYPE).to(tl.float32)
     if HAS_NORM:
         variance = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM
         r = tl.rsqrt(variance + eps)[:, None]
@@ -37,15 +42,18 @@ def _norm_rotate(x1, x2, w_ptr, cos, sin, eps, like_ptr, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _qkv_prologue_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_ptr, k_cache_ptr, v_cache_ptr,
-    stride_t, stride_c, eps,
+    rows_ptr, stride_t, stride_c, stride_rows, eps, row_eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    ROW_NORM: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)
     # One program per token: its cos/sin row serves every head, and q, k and v sit in one row.
     token = tl.program_id(0).to(tl.int64)
     row = qkv_ptr + token * stride_t
+    scale = 1.0
+    if ROW_NORM:
+        scale = row_inv_rms(rows_ptr, token, stride_rows, row_eps, HIDDEN, BLOCK_HIDDEN)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     half_mask = j < HALF
@@ -58,7 +66,8 @@ def _qkv_prologue_kernel(
     q1_ptr = row + hq[:, None] * HEAD_DIM + j[None, :]
     q1 = tl.load(q1_ptr, mask=q_mask, other=0.0).to(tl.float32)
     q2 = tl.load(q1_ptr + HALF, mask=q_mask, other=0.0).to(tl.float32)
-    y1, y2 = _norm_rotate(q1, q2, q_weight_ptr, cos, sin, eps, qkv_ptr, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM)
+    y1, y2 = _norm_rotate(q1, q2, q_weight_ptr, cos, sin, eps, scale, qkv_ptr, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM,
+                          ROW_NORM)
     tl.store(q1_ptr, y1, mask=q_mask)
     tl.store(q1_ptr + HALF, y2, mask=q_mask)
 
@@ -70,7 +79,8 @@ def _qkv_prologue_kernel(
         k1_ptr = row + NUM_Q_HEADS * HEAD_DIM + hk[:, None] * HEAD_DIM + j[None, :]
         k1 = tl.load(k1_ptr, mask=kv_mask, other=0.0).to(tl.float32)
         k2 = tl.load(k1_ptr + HALF, mask=kv_mask, other=0.0).to(tl.float32)
-        ky1, ky2 = _norm_rotate(k1, k2, k_weight_ptr, cos, sin, eps, qkv_ptr, HEAD_DIM, HALF, BLOCK_HALF, HAS_NORM)
+        ky1, ky2 = _norm_rotate(k1, k2, k_weight_ptr, cos, sin, eps, scale, qkv_ptr, HEAD_DIM, HALF, BLOCK_HALF,
+                                HAS_NORM, ROW_NORM)
         # (New names: Triton refuses a branch that rebinds q's y1/y2 with another shape.)
         # The cache is contiguous [num_blocks, block_size, H_kv, D]: a slot is a row index.
         dst = slot * (NUM_KV_HEADS * HEAD_DIM) + hk[:, None] * HEAD_DIM + j[None, :]
@@ -80,6 +90,9 @@ def _qkv_prologue_kernel(
         v1_ptr = k1_ptr + NUM_KV_HEADS * HEAD_DIM
         v1 = tl.load(v1_ptr, mask=kv_mask, other=0.0)
         v2 = tl.load(v1_ptr + HALF, mask=kv_mask, other=0.0)
+        if ROW_NORM:
+            v1 = (v1.to(tl.float32) * scale).to(v1.dtype)
+            v2 = (v2.to(tl.float32) * scale).to(v2.dtype)
         tl.store(v_cache_ptr + dst, v1.to(cache_dtype), mask=kv_mask)
         tl.store(v_cache_ptr + dst + HALF, v2.to(cache_dtype), mask=kv_mask)
 
@@ -96,9 +109,14 @@ def qkv_prologue(
     v_cache: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    row_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Normalise (if weights are given) and rotate q and k of a packed QKV projection output, store
     k and v at their cache slots, and return q as a [T, H_q, D] view of `qkv` (rewritten in place).
+
+    `row_norm` = (rows [T, hidden], eps): qkv is the projection of the un-normalised rows through a
+    weight that holds the RMSNorm's scale (models/norm_fold.py); q, k and v are first multiplied by
+    each row's 1 / rms and rounded, which makes them the projection of the normed rows.
 
     qkv: [T, (H_q + 2 H_kv) * D], unit-stride rows of q heads, then k heads, then v heads;
     positions [T]; cos_sin_cache [max_pos, D] fp32 of cat(cos, sin) (full-width rotary only);
@@ -118,11 +136,17 @@ def qkv_prologue(
         block_half = triton.next_power_of_2(half)
         block_hq = triton.next_power_of_2(num_q_heads)
         has_norm = q_weight is not None
+        rows, row_eps = row_norm if row_norm is not None else (qkv, 0.0)  # placeholder: ROW_NORM=False
+        if row_norm is not None:
+            assert rows.dim() == 2 and rows.shape[0] == num_tokens and rows.stride(-1) == 1
+        hidden = rows.shape[1] if row_norm is not None else 1  # 1: no variant per placeholder width
         _qkv_prologue_kernel[(num_tokens,)](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
-            slot_mapping, k_cache, v_cache, qkv.stride(0), cos_sin_cache.stride(0), eps,
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+            slot_mapping, k_cache, v_cache, rows, qkv.stride(0), cos_sin_cache.stride(0), rows.stride(0), eps,
+            row_eps, NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
             BLOCK_HQ=block_hq, BLOCK_HKV=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=block_half,
-            HAS_NORM=has_norm, num_warps=4 if block_hq * block_half >= 1024 else 1, **pdl_args(qkv.device),
+            HAS_NORM=has_norm, ROW_NORM=row_norm is not None, HIDDEN=hidden,
+            BLOCK_HIDDEN=triton.next_power_of_2(hidden),
+            num_warps=4 if block_hq * block_half >= 1024 else 1, **pdl_args(qkv.device),
         )
     return qkv[:, : num_q_heads * head_dim].view(num_tokens, num_q_heads, head_dim)

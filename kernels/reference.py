@@ -126,6 +126,13 @@ def apply_rotary_ref(
     return rotate(q), rotate(k)
 
 
+def row_scale_ref(y: torch.Tensor, rows: torch.Tensor, eps: float) -> torch.Tensor:
+    """y [T, N] times 1 / rms of each row of `rows` [T, H], rounded to y's dtype: an RMSNorm whose
+    weight the linear layer before it holds, applied to that layer's output (models/norm_fold.py)."""
+    inv_rms = torch.rsqrt(rows.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y.float() * inv_rms).to(y.dtype)
+
+
 def qkv_prologue_ref(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -138,9 +145,13 @@ def qkv_prologue_ref(
     v_cache: torch.Tensor,
     num_q_heads: int,
     num_kv_heads: int,
+    row_norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The unfused chain the fused prologue replaces: split the QKV output into heads, per-head
-    RMSNorm of q and k (when weights are given), rotary, then the cache store. Returns a new q."""
+    RMSNorm of q and k (when weights are given), rotary, then the cache store. Returns a new q.
+    `row_norm` (rows, eps): the output first scaled by row_scale_ref."""
+    if row_norm is not None:
+        qkv = row_scale_ref(qkv, *row_norm)
     head_dim = k_cache.shape[-1]
     q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     q = q.reshape(-1, num_q_heads, head_dim)
@@ -153,8 +164,11 @@ def qkv_prologue_ref(
     return q
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up as torch computes it in x's dtype (silu rounded, then the product)."""
+def silu_and_mul_ref(x: torch.Tensor, row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """silu(gate) * up as torch computes it in x's dtype (silu rounded, then the product); with
+    `row_norm` (rows, eps), x first scaled by row_scale_ref."""
+    if row_norm is not None:
+        x = row_scale_ref(x, *row_norm)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 

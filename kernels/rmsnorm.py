@@ -34,6 +34,15 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def row_inv_rms(rows_ptr, row, stride, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / rms of one row of a [T, HIDDEN] tensor (fp32): the scale of an RMSNorm whose weight the
+    next linear layer holds (models/norm_fold.py), applied by the kernel after that layer."""
+    cols = tl.arange(0, BLOCK)
+    h = tl.load(rows_ptr + row * stride + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(h * h, 0) / HIDDEN + eps)
+
+
 def _launch_rms_norm(x, weight, eps, residual, out, residual_out):
     num_rows, hidden = x.shape
     block = triton.next_power_of_2(hidden)

@@ -66,7 +66,7 @@ _SMEM_BUDGET = 128 * 1024
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr,
     M, N, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
-    K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, USE_DOT: tl.constexpr, EVEN_K: tl.constexpr,
     PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -108,7 +108,10 @@ def _skinny_gemm_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_off = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if ACCUMULATE:  # y += x @ w^T: one rounding of the sum, as cuBLAS's beta = 1 (Tensor.addmm_)
+        acc += tl.load(y_ptr + y_off, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @functools.lru_cache(maxsize=16)
@@ -165,6 +168,7 @@ def skinny_gemm(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    accumulate: bool = False,
     use_dot: bool | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -177,7 +181,8 @@ def skinny_gemm(
     For small M (a decode step's 1..64 rows): it streams the weight once; larger M works but reads
     the weight once per 64 rows. x and weight share a dtype (fp32/fp16/bf16); any strides work,
     unit stride along K is the fast case (x may be a row-strided view). bias may be any float
-    dtype. `out` may be preallocated ([M, N], x's dtype, unit-stride rows). The other keyword
+    dtype. `out` may be preallocated ([M, N], x's dtype, unit-stride rows); with `accumulate` the
+    product is added to what `out` holds (a decoder layer's residual stream). The other keyword
     arguments override the tile choice, for benchmarks; num_warps=4 suits every default tile (one
     warp group for the tensor-core path, at most 64 accumulators a thread on the CUDA-core path).
     """
@@ -189,6 +194,7 @@ def skinny_gemm(
     assert x.device == weight.device
     if bias is not None:
         assert bias.shape == (n,) and bias.is_contiguous() and bias.device == x.device
+    assert out is not None or not accumulate, "accumulate needs the tensor to add to (out)"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (m, n) and y.dtype == x.dtype and (y.stride(1) == 1 or n <= 1)
     if m == 0 or n == 0:
@@ -199,7 +205,7 @@ def skinny_gemm(
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y,  # placeholder bias: HAS_BIAS=False drops it
         m, n, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
-        K=k, HAS_BIAS=bias is not None, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
+        K=k, HAS_BIAS=bias is not None, ACCUMULATE=accumulate, USE_DOT=use_dot, EVEN_K=k % block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 models stay exact (no TF32)
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(x.device),

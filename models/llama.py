@@ -54,6 +54,14 @@ class SelfAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1), reduce)
 
+    def forward_folded(self, positions: torch.Tensor, residual: torch.Tensor, eps: float) -> None:
+        """Attention on the residual stream with the input norm folded (models/norm_fold.py): adds
+        its output to `residual` in place."""
+        qkv = self.qkv_proj(residual)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *norm, row_norm=(residual, eps))
+        self.o_proj.add_to(out.flatten(1), residual)
+
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -90,6 +98,14 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual, reduce=defer)
         return self.mlp(x, reduce=not defer), residual
 
+    def forward_folded(self, positions: torch.Tensor, residual: torch.Tensor) -> None:
+        """The layer with both norms folded into the projections after them (models/norm_fold.py):
+        adds the attention's and the MLP's outputs to `residual` in place."""
+        self.self_attn.forward_folded(positions, residual, self.input_layernorm.eps)
+        gate_up = self.mlp.gate_up_proj(residual)
+        act = self.mlp.act_fn(gate_up, row_norm=(residual, self.post_attention_layernorm.eps))
+        self.mlp.down_proj.add_to(act, residual)
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config, qk_norm: bool):
@@ -101,8 +117,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, self.defer_sums)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Set by models.norm_fold.fold_norms once the weights hold the layers' norm weights.
+        self.folded = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.folded:
+            residual = self.embed_tokens(input_ids)
+            for layer in self.layers:
+                layer.forward_folded(positions, residual)
+            return self.norm(residual)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)

@@ -23,12 +23,13 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 380) -> list[list
 @pytest.mark.parametrize("name,backend", [(name, "torch") for name in TINY] + [("qwen3", "triton"),
                                                                                ("llama-mqa", "triton")])
 def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, backend):
-    """backend "triton" runs our kernels (attention, fused RMSNorm, the fused QKV prologue and SiLU) in Triton's
-    interpreter."""
+    """backend "triton" runs our kernels (attention, the fused QKV prologue and SiLU, the layers' norms folded into
+    the projections after them: models/norm_fold.py) in Triton's interpreter."""
     path = tiny_models[name]
     prompts = random_prompts(LENGTHS, seed=len(name))
     llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend)
     try:
+        assert llm.engine.data_plane.runner.model.model.folded == (backend == "triton")
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_chunked_prefills > 0  # 130 and 300 do not fit a 64-token step
     finally:

@@ -262,10 +262,13 @@ def rope_cache(d: int, max_pos: int = 4096) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def check_qkv_prologue(t, hq, hkv, d, dtype, with_norm, page=16, tol=None):
+def check_qkv_prologue(t, hq, hkv, d, dtype, with_norm, page=16, tol=None, qkv=None, rows=None):
+    """`rows` (with the `qkv` they project to): the row scale of a folded norm (tests/test_norm_fold.py)."""
     cos_sin = rope_cache(d)
     width = (hq + 2 * hkv) * d
-    qkv = torch.randn(t, width + 8, device=DEV).to(dtype)[:, :width]  # row-strided, as a GEMM slice may be
+    if qkv is None:
+        qkv = torch.randn(t, width + 8, device=DEV).to(dtype)[:, :width]  # row-strided, as a GEMM slice may be
+    row_norm = None if rows is None else (rows, 1e-5)
     weights = [(1 + 0.1 * torch.randn(d, device=DEV)).to(dtype) for _ in range(2)] if with_norm else [None, None]
     positions = torch.randint(0, cos_sin.shape[0], (t,), device=DEV)
     num_blocks = -(-t // page) + 2
@@ -275,9 +278,9 @@ def check_qkv_prologue(t, hq, hkv, d, dtype, with_norm, page=16, tol=None):
     v_cache = k_cache.clone()
     exp_k, exp_v = k_cache.clone(), v_cache.clone()
     args = (positions, cos_sin, *weights, 1e-6, slots)
-    expected_q = ref.qkv_prologue_ref(qkv.clone(), *args, exp_k, exp_v, hq, hkv)
+    expected_q = ref.qkv_prologue_ref(qkv.clone(), *args, exp_k, exp_v, hq, hkv, row_norm)
     v_before = qkv[:, (hq + hkv) * d :].clone()
-    q = qkv_prologue(qkv, *args, k_cache, v_cache, hq, hkv)
+    q = qkv_prologue(qkv, *args, k_cache, v_cache, hq, hkv, row_norm)
     assert q.shape == (t, hq, d) and q.data_ptr() == qkv.data_ptr()  # q rewritten in place
     if tol is None:
         tol = TOL[dtype] if dtype == torch.bfloat16 and not ROUNDS_BF16 else TOL[dtype] / 4
@@ -285,7 +288,10 @@ def check_qkv_prologue(t, hq, hkv, d, dtype, with_norm, page=16, tol=None):
     kept = slots[slots >= 0]
     flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     assert rel_err(flat_k[kept], exp_k.view(-1, hkv, d)[kept]) < tol
-    assert torch.equal(flat_v[kept], exp_v.view(-1, hkv, d)[kept])  # V is copied, not transformed
+    if rows is None:
+        assert torch.equal(flat_v[kept], exp_v.view(-1, hkv, d)[kept])  # V is copied, not transformed
+    else:
+        assert rel_err(flat_v[kept], exp_v.view(-1, hkv, d)[kept]) < tol  # V takes the row scale
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEV)
     untouched[kept] = False
     assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()

@@ -46,5 +46,9 @@ def make_tiny_model(path: Path, arch: str = "qwen3", tie: bool = False, seed: in
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif p.dim() == 1:
+                # Norm weights other than ones: a norm folded into the projection after it
+                # (models/norm_fold.py) must carry them over, column by column.
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return path

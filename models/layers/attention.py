@@ -23,12 +23,14 @@ class Attention(nn.Module):
         return backend.attend(q, self.k_cache, self.v_cache, ctx, self.scale)
 
     def forward_packed(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+                       q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                       row_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """The fused path from the QKV projection's output [T, (Hq + 2 Hkv) * D]: q/k norm (when
-        weights are given), rotary and the cache store in one kernel, then attention -> [T, Hq, D]."""
+        weights are given), rotary and the cache store in one kernel, then attention -> [T, Hq, D].
+        `row_norm`: the input norm's row scale, still to apply (kernels.qkv_prologue)."""
         import kernels
 
         ctx = get_context()
         q = kernels.qkv_prologue(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, ctx.slot_mapping,
-                                 self.k_cache, self.v_cache, self.num_heads, self.num_kv_heads)
+                                 self.k_cache, self.v_cache, self.num_heads, self.num_kv_heads, row_norm)
         return get_backend().attend(q, self.k_cache, self.v_cache, ctx, self.scale)

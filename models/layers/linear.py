@@ -34,6 +34,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_add_(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out += x @ weight.T in the projection's own kernel, the sum rounded once."""
+    if fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
+        import kernels
+
+        return kernels.skinny_gemm(x, weight, out=out, accumulate=True)
+    return out.addmm_(x, weight.t())
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
@@ -125,3 +134,9 @@ class RowParallelLinear(LinearBase):
                 raise ValueError("a row-parallel layer with a bias must sum its output itself")
         # The bias is added once, after the partial products are summed.
         return y + self.bias if self.bias is not None else y
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x @ weight.T in place (models/norm_fold.py): one rank, no bias."""
+        if self.tp_size > 1 or self.bias is not None:
+            raise ValueError("only a single rank's bias-free projection adds itself to the residual")
+        return linear_add_(x, self.weight, residual)
