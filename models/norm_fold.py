@@ -15,9 +15,9 @@ row and a weight rounded once after the multiply, its output is rounded before t
 residual sum is rounded once instead of twice. tests/test_engine_correctness.py holds the folded
 engine to transformers' tokens in fp32, tests/test_gpu_engine.py to its bf16 logits.
 
-It applies where the data plane runs the fused kernels on one rank, to layers without biases:
-under tensor parallelism the row-parallel outputs are summed by the fused all-reduce + RMSNorm
-kernel instead. NANOPLANE_FOLD_NORMS=0 keeps the norms.
+It applies where the data plane runs the fused kernels on one rank, in bf16 or fp32 (not fp16:
+see foldable), to layers without biases. Under tensor parallelism the row-parallel outputs are
+summed by the fused all-reduce + RMSNorm kernel instead. NANOPLANE_FOLD_NORMS=0 keeps the norms.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ def foldable(model: nn.Module) -> bool:
         raise ValueError(f"{FOLD_ENV}={choice!r}: expected '0' (keep the norms) or '1' (fold them)")
     decoder = getattr(model, "model", None)
     if choice == "0" or not fused_kernels_enabled() or tp_size() > 1 or not hasattr(decoder, "folded"):
+        return False
+    if decoder.embed_tokens.weight.dtype == torch.float16:
+        # The projections see the un-normalised residual stream, whose large entries (hundreds and
+        # more in trained models) could overflow fp16's 65,504 where the normed rows would not.
         return False
     for layer in decoder.layers:
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
