@@ -51,7 +51,12 @@ def qwen3_06b(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3-0.6b")
     make_tokenizer(path)
     torch.manual_seed(0)
-    Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B)).to(torch.bfloat16).save_pretrained(path)
+    model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_06B))
+    with torch.no_grad():  # norm weights other than ones: the data plane folds them into the projections
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.to(torch.bfloat16).save_pretrained(path)
     load = lambda dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()  # noqa: E731
     return path, load(torch.bfloat16), load(torch.float32)
 

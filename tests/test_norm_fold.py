@@ -140,12 +140,16 @@ def test_fold_applies_only_where_it_can(fused, monkeypatch):
     assert not fold_norms(model)  # once only
 
 
-def test_folded_model_gives_the_unfolded_logits(fused):
+@pytest.mark.parametrize("skinny_max_rows", [64, 0])  # 0: the residual adds through Tensor.addmm_ (cuBLAS above 64)
+def test_folded_model_gives_the_unfolded_logits(fused, monkeypatch, skinny_max_rows):
     """Prefill of two sequences through the fused path, then one decode step each, folded and not:
     the same logits in fp32 (the rounding moves, nothing else)."""
     import copy
 
     from models.attention_backend import set_backend
+    from models.layers import linear
+
+    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", skinny_max_rows)
     from models.context import AttentionContext, reset_context, set_context
     from models.norm_fold import fold_norms
 
