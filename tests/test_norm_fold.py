@@ -147,12 +147,11 @@ def test_folded_model_gives_the_unfolded_logits(fused, monkeypatch, skinny_max_r
     import copy
 
     from models.attention_backend import set_backend
-    from models.layers import linear
-
-    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", skinny_max_rows)
     from models.context import AttentionContext, reset_context, set_context
+    from models.layers import linear
     from models.norm_fold import fold_norms
 
+    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", skinny_max_rows)
     set_backend("triton")
     plain = tiny_qwen3()
     folded = copy.deepcopy(plain)
