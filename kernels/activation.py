@@ -18,8 +18,12 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, rows_ptr, stride_x, stride_out, stride_
                          INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, ROW_NORM: tl.constexpr,
                          HIDDEN: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # One axis, column blocks fastest: a token's programs run side by side, so with ROW_NORM its
+    # row is read from memory once and from L2 after (Qwen3-8B: 12 blocks a token).
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(INTERMEDIATE, BLOCK)
+    token = (pid // blocks).to(tl.int64)
+    cols = (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
     gate = tl.load(x_ptr + token * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + token * stride_x + INTERMEDIATE + cols, mask=mask, other=0.0)
@@ -51,7 +55,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
         if row_norm is not None:
             assert rows.dim() == 2 and rows.shape[0] == num_tokens and rows.stride(-1) == 1
         hidden = rows.shape[1] if row_norm is not None else 1  # 1: no variant per placeholder width
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate, block))](
+        _silu_and_mul_kernel[(num_tokens * triton.cdiv(intermediate, block),)](
             x, out, rows, x.stride(0), out.stride(0), rows.stride(0), row_eps, INTERMEDIATE=intermediate,
             BLOCK=block, ROW_NORM=row_norm is not None, HIDDEN=hidden,
             BLOCK_HIDDEN=triton.next_power_of_2(hidden), num_warps=4 if block >= 512 else 1,
