@@ -57,8 +57,8 @@ def _gumbel(u, FAST_LOG: tl.constexpr):
     token 1.5 below the best score that way)."""
     if FAST_LOG:
         # -ln(u) = -2 atanh(s), s = (u - 1) / (u + 1): for u > 0.9, |s| < 0.053, and three terms of
-        # the series leave a relative error under 1e-8. Below 0.9, |log2(u)| > 0.15 keeps the
-        # approximate log2's absolute error a relative ~1e-6.
+        # the series are off by under 1e-8 relative (with fp32's roundings 2e-7 over every u there).
+        # Below 0.9, |log2(u)| > 0.15 keeps the approximate log2's absolute error a relative ~1e-6.
         s = (u - 1.0) / (u + 1.0)
         s2 = s * s
         near = -2.0 * s * (1.0 + s2 * (1.0 / 3.0 + s2 * 0.2))
