@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_prologue
-from kernels.rmsnorm import row_inv_rms
+from kernels.rmsnorm import row_inv_rms, row_norm_args
 
 
 @triton.jit
@@ -51,10 +51,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None,
     assert out.shape == (num_tokens, intermediate) and out.stride(-1) == 1
     if num_tokens:
         block = min(1024, triton.next_power_of_2(intermediate))
-        rows, row_eps = row_norm if row_norm is not None else (x, 0.0)  # placeholder: ROW_NORM=False
-        if row_norm is not None:
-            assert rows.dim() == 2 and rows.shape[0] == num_tokens and rows.stride(-1) == 1
-        hidden = rows.shape[1] if row_norm is not None else 1  # 1: no variant per placeholder width
+        rows, row_eps, hidden = row_norm_args(row_norm, x, num_tokens)
         _silu_and_mul_kernel[(num_tokens * triton.cdiv(intermediate, block),)](
             x, out, rows, x.stride(0), out.stride(0), rows.stride(0), row_eps, INTERMEDIATE=intermediate,
             BLOCK=block, ROW_NORM=row_norm is not None, HIDDEN=hidden,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_prologue
-from kernels.rmsnorm import row_inv_rms
+from kernels.rmsnorm import row_inv_rms, row_norm_args
 
 
 @triton.jit
@@ -136,10 +136,7 @@ def qkv_prologue(
         block_half = triton.next_power_of_2(half)
         block_hq = triton.next_power_of_2(num_q_heads)
         has_norm = q_weight is not None
-        rows, row_eps = row_norm if row_norm is not None else (qkv, 0.0)  # placeholder: ROW_NORM=False
-        if row_norm is not None:
-            assert rows.dim() == 2 and rows.shape[0] == num_tokens and rows.stride(-1) == 1
-        hidden = rows.shape[1] if row_norm is not None else 1  # 1: no variant per placeholder width
+        rows, row_eps, hidden = row_norm_args(row_norm, qkv, num_tokens)
         _qkv_prologue_kernel[(num_tokens,)](
             qkv, positions, cos_sin_cache, q_weight if has_norm else qkv, k_weight if has_norm else qkv,
             slot_mapping, k_cache, v_cache, rows, qkv.stride(0), cos_sin_cache.stride(0), rows.stride(0), eps,

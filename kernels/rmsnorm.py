@@ -43,6 +43,18 @@ def row_inv_rms(rows_ptr, row, stride, eps, HIDDEN: tl.constexpr, BLOCK: tl.cons
     return tl.rsqrt(tl.sum(h * h, 0) / HIDDEN + eps)
 
 
+def row_norm_args(row_norm: tuple[torch.Tensor, float] | None, placeholder: torch.Tensor,
+                  num_tokens: int) -> tuple[torch.Tensor, float, int]:
+    """(rows, eps, hidden) for a kernel taking a folded norm's `row_norm` = (rows [T, hidden], eps):
+    without one, the placeholder pointer and hidden 1 (ROW_NORM=False compiles them away; a fixed 1
+    makes no variant per placeholder width)."""
+    if row_norm is None:
+        return placeholder, 0.0, 1
+    rows, eps = row_norm
+    assert rows.dim() == 2 and rows.shape[0] == num_tokens and rows.stride(-1) == 1
+    return rows, eps, rows.shape[1]
+
+
 def _launch_rms_norm(x, weight, eps, residual, out, residual_out):
     num_rows, hidden = x.shape
     block = triton.next_power_of_2(hidden)

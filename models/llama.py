@@ -38,11 +38,14 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def _qk_norm(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """The per-head q/k norm's (q weight, k weight, eps) for the fused prologue; Nones without one."""
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if fused_kernels_enabled():
-            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-            out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *norm)
+            out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *self._qk_norm())
             return self.o_proj(out.flatten(1), reduce)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -58,8 +61,8 @@ class SelfAttention(nn.Module):
         """Attention on the residual stream with the input norm folded (models/norm_fold.py): adds
         its output to `residual` in place."""
         qkv = self.qkv_proj(residual)
-        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *norm, row_norm=(residual, eps))
+        out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *self._qk_norm(),
+                                       row_norm=(residual, eps))
         self.o_proj.add_to(out.flatten(1), residual)
 
 

@@ -24,10 +24,15 @@ from models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 SKINNY_MAX_ROWS = int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "64"))
 
 
+def _skinny(x: torch.Tensor) -> bool:
+    """Whether x's rows go through kernels.skinny_gemm rather than cuBLAS."""
+    return fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) through the kernel the data plane picks for this many rows (the benchmarks
     time the same choice)."""
-    if fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
+    if _skinny(x):
         import kernels
 
         return kernels.skinny_gemm(x, weight, bias)
@@ -36,7 +41,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linear_add_(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out += x @ weight.T in the projection's own kernel, the sum rounded once."""
-    if fused_kernels_enabled() and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS:
+    if _skinny(x):
         import kernels
 
         return kernels.skinny_gemm(x, weight, out=out, accumulate=True)
