@@ -101,9 +101,12 @@ class Engine:
         """Raise ValueError with a message a person understands; nothing is queued on failure."""
         validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
 
-    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, token_ids: list[int], params: SamplingParams, validated: bool = False) -> Sequence:
+        """Queue a request. `validated`: the caller has just run validate() on these very arguments
+        (a batch checked whole before any of it is queued), so the per-token pass is not run twice."""
         token_ids = list(token_ids)
-        self.validate(token_ids, params)
+        if not validated:
+            self.validate(token_ids, params)
         seq = Sequence(token_ids, params, self.block_size)
         self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)

@@ -77,13 +77,19 @@ class LLM:
                 self.engine.validate(tokens, sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        seqs = [self.engine.add_request(tokens, sp) for tokens, sp in zip(ids, sampling_params, strict=True)]
+        seqs = [self.engine.add_request(tokens, sp, validated=True)
+                for tokens, sp in zip(ids, sampling_params, strict=True)]
         pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
+        texts: dict[int, str] = {}
         while self.engine.has_work():
             t = perf_counter()
             out = self.engine.step()
             dt = perf_counter() - t
+            # With a step in flight the GPU is busy now: a finished request is detokenized here rather
+            # than all of them after the last step, when nothing would hide the time.
+            for seq in out.finished:
+                texts[seq.seq_id] = self.tokenizer.decode(seq.completion_token_ids)
             if out.is_prefill:
                 prefill_tps = out.num_tokens / dt
             elif out.num_tokens:
@@ -91,5 +97,5 @@ class LLM:
             pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s", Decode=f"{int(decode_tps)}tok/s")
             pbar.update(len(out.finished))
         pbar.close()
-        return [{"text": self.tokenizer.decode(s.completion_token_ids), "token_ids": s.completion_token_ids}
-                for s in seqs]
+        return [{"text": texts[s.seq_id] if s.seq_id in texts else self.tokenizer.decode(s.completion_token_ids),
+                 "token_ids": s.completion_token_ids} for s in seqs]
