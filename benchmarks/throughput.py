@@ -159,7 +159,8 @@ BUCKETS = ((1, 16), (17, 64), (65, 128), (129, 256))
 
 def pace(llm) -> Callable[[], list[tuple]]:
     """Start recording, for every step of the timed run, (rows, prefill tokens, KV tokens read,
-    seconds); the function returned gives the steps so far.
+    seconds, host seconds to launch it, GPU seconds on it, GPU seconds idle before it); the function
+    returned gives the steps so far (the last three NaN where the data plane is not in-process).
 
     The seconds are the time between consecutive step results: with a step in flight the GPU runs
     step i right after i - 1, so that interval is step i's cost to the run, whoever set the pace (GPU
@@ -181,11 +182,43 @@ def pace(llm) -> Callable[[], list[tuple]]:
         return out
 
     client.submit, client.collect = recording_submit, recording_collect
+    # The in-process rank's host time to queue each step (apply the descriptor, launch the kernels),
+    # and CUDA events around that work on the GPU's stream: the GPU's time on the step, and how long
+    # it sat idle before it because the step was not queued yet (the host set the pace there).
+    launches: list[float] = []
+    events: list[tuple] = []
+    runner = getattr(client, "runner", None)
+    if runner is not None:
+        import torch
+
+        launch, cuda = runner.launch, runner.device.type == "cuda"
+
+        def timed_launch(desc):
+            t = time.perf_counter()
+            if cuda:
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record()
+            out = launch(desc)
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                events.append((begin, end))
+            launches.append(time.perf_counter() - t)
+            return out
+
+        runner.launch = timed_launch
     start = [time.perf_counter()]
 
     def steps() -> list[tuple]:
         times = [b - a for a, b in zip(start + done, done, strict=False)]
-        return [(*s, t) for s, t in zip(sent, times, strict=False)]
+        nan = [float("nan")] * len(times)
+        host = launches if len(launches) >= len(times) else nan
+        gpu, idle = nan, nan
+        if len(events) >= len(times):
+            events[-1][1].synchronize()
+            gpu = [b.elapsed_time(e) / 1e3 for b, e in events]
+            idle = [0.0] + [events[i - 1][1].elapsed_time(events[i][0]) / 1e3 for i in range(1, len(events))]
+        return [(*s, t, h, g, i) for s, t, h, g, i in zip(sent, times, host, gpu, idle, strict=False)]
 
     return steps
 
@@ -205,7 +238,7 @@ def report_pace(steps: list[tuple], runner) -> None:
     cache = runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
     kv_per_token = cache[:, :, 0, 0].numel() * cache.element_size()
     groups: dict[str, list[float]] = {}
-    for rows, prefill, kv_tokens, seconds in steps:
+    for rows, prefill, kv_tokens, seconds, _, gpu, idle in steps:
         flops = 2 * body * (prefill or rows) + 2 * head * rows
         floor = max((weights + kv_tokens * kv_per_token) / BANDWIDTH, flops / MATMUL)
         if prefill:
@@ -213,24 +246,28 @@ def report_pace(steps: list[tuple], runner) -> None:
         else:
             lo, hi = next((b for b in BUCKETS if rows <= b[1]), (BUCKETS[-1][1] + 1, rows))
             name = f"decode {lo}-{hi} rows"
-        g = groups.setdefault(name, [0, 0.0, 0.0])
+        g = groups.setdefault(name, [0, 0.0, 0.0, 0.0, 0.0])
         g[0] += 1
         g[1] += seconds
         g[2] += floor
+        g[3] += gpu
+        g[4] += idle
     total_gap = sum(g[1] - g[2] for g in groups.values())
-    print("| steps | count | seconds | floor s | of floor | gap s | share of the gap |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| steps | count | seconds | floor s | of floor | gap s | share of the gap | GPU busy s | GPU idle s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in sorted(groups, key=lambda k: (not k.startswith("prefill"), int(k.split()[1].split("-")[0])
                                               if k.startswith("decode") else 0)):
-        n, seconds, floor = groups[name]
+        n, seconds, floor, gpu, idle = groups[name]
         print(f"| {name} | {n} | {seconds:.3f} | {floor:.3f} | {floor / seconds:.0%} | {seconds - floor:.3f} | "
-              f"{(seconds - floor) / total_gap:.0%} |")
-    n, seconds, floor = (sum(g[i] for g in groups.values()) for i in range(3))
-    print(f"| all | {n} | {seconds:.3f} | {floor:.3f} | {floor / seconds:.0%} | {seconds - floor:.3f} | 100% |")
+              f"{(seconds - floor) / total_gap:.0%} | {gpu:.3f} | {idle:.3f} |")
+    n, seconds, floor, gpu, idle = (sum(g[i] for g in groups.values()) for i in range(5))
+    print(f"| all | {n} | {seconds:.3f} | {floor:.3f} | {floor / seconds:.0%} | {seconds - floor:.3f} | 100% | "
+          f"{gpu:.3f} | {idle:.3f} |")
     # A few slow steps (a kernel compiled mid-run, a stall) hide in a bucket's sum; name them.
     slowest = sorted(range(len(steps)), key=lambda i: steps[i][3], reverse=True)[:6]
-    print("slowest steps (index: rows, prefill tokens, ms): " + ", ".join(
-        f"{i}: {steps[i][0]}, {steps[i][1]}, {steps[i][3] * 1e3:.1f}" for i in sorted(slowest)))
+    print("slowest steps (index: rows, prefill tokens, ms; host launch, GPU busy, GPU idle before it, ms): "
+          + ", ".join(f"{i}: {steps[i][0]}, {steps[i][1]}, {steps[i][3] * 1e3:.1f}; "
+                      + ", ".join(f"{x * 1e3:.1f}" for x in steps[i][4:]) for i in sorted(slowest)))
 
 
 def watch_gc() -> list[tuple[int, float]]:
@@ -255,6 +292,24 @@ def report_gc(pauses: list[tuple[int, float]]) -> None:
     longest = max((s for _, s in pauses), default=0.0)
     print(f"garbage collections during the run: {len(pauses)} (by generation {by_gen[0]}/{by_gen[1]}/{by_gen[2]}), "
           f"{total * 1e3:.1f} ms in all, longest {longest * 1e3:.1f} ms", flush=True)
+
+
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's counters that stall a run: device allocations and frees (each a
+    cudaMalloc or cudaFree, which synchronise) and retries after an out-of-memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+def report_allocator(before: dict[str, int]) -> None:
+    if before:
+        after = allocator_counts()
+        print("CUDA allocator during the run (rank 0): " + ", ".join(
+            f"{k.removeprefix('num_')} {after[k] - before[k]}" for k in before))
 
 
 def report(t: dict[str, list[float]], elapsed: float) -> None:
@@ -305,10 +360,12 @@ def main() -> None:
     timings = instrument(llm) if args.profile else None
     steps = pace(llm) if llm.engine.overlap and not args.profile else None
     pauses = watch_gc()
+    allocator = allocator_counts()
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t
     report_gc(pauses)
+    report_allocator(allocator)
     if timings is not None:
         report(timings, elapsed)
     runner = llm.engine.data_plane.runner
