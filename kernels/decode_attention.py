@@ -31,8 +31,8 @@ TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
 ORDER_MIN_WAVES = float(os.environ.get("NANOPLANE_DECODE_ORDER_WAVES", "4"))
 # Between two and this many waves of one-split programs, two splits: halving every row's work halves
 # the uneven end of the launch, which with few waves outweighs the second kernel. H200, the bench's
-# context mix, since the page-table entry is read a tile ahead: two splits 1-16% faster at 23-77
-# rows, level at 88 and 111, 3% slower at 101 (BENCHMARKS.md, sixteenth session; the bound was 7 waves,
+# context mix, since the page-table entry is read a tile ahead: two splits 3% faster at 77 rows,
+# level at 88 and 111, 3% slower at 101 (BENCHMARKS.md, sixteenth session; the bound was 7 waves,
 # 115 rows, before). NANOPLANE_DECODE_TWO_SPLIT_WAVES moves the bound (0: off).
 TWO_SPLIT_WAVES = float(os.environ.get("NANOPLANE_DECODE_TWO_SPLIT_WAVES", "5.5"))
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
