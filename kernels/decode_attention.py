@@ -26,7 +26,10 @@ TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
 # A given `seq_order` (longest context first) is followed only from this many waves of programs over
 # the SMs: with many it keeps a long row from running alone at the end of the launch (H200, the
 # throughput bench's context mix, `benchmarks/kernels.py --only decode_mixed`: 2-10% faster at 4.7 to
-# 15.5 waves), with few it crowds the long rows together (3.6 and 3.9 waves: 9-10% slower).
+# 15.5 waves), with few it crowded the long rows together (3.6 and 3.9 waves: 9-10% slower, fifth
+# session). With today's kernel the few-wave cases are mixed (with the order, launches at 7-59 rows
+# took 10% less to 5.5% more time) and the whole run is the same with the order always
+# (BENCHMARKS.md, sixteenth session), so the bound stays.
 # NANOPLANE_DECODE_ORDER_WAVES moves the threshold (0: always).
 ORDER_MIN_WAVES = float(os.environ.get("NANOPLANE_DECODE_ORDER_WAVES", "4"))
 # Between two and this many waves of one-split programs, two splits: halving every row's work halves
