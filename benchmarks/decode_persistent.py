@@ -42,7 +42,7 @@ def planned_attention(q_ptr, k_ptr, v_ptr, out_ptr, row_ptr, info_ptr, lane_ptr,
                       stride_ob, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
     """Program (KV head, lane): tiles [lane_ptr[lane], lane_ptr[lane + 1]) of the plan. A tile's
-    row_ptr entry is the cache row of its first token; info packs row << 9 | live tokens << 2 |
+    row_ptr entry is the cache row of its first token; info packs batch row << 9 | live tokens << 2 |
     last << 1 | first."""
     kv_head = tl.program_id(0)
     lane = tl.program_id(1)
