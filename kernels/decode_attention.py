@@ -38,6 +38,12 @@ ORDER_MIN_WAVES = float(os.environ.get("NANOPLANE_DECODE_ORDER_WAVES", "4"))
 # level at 88 and 111, 3% slower at 101 (BENCHMARKS.md, sixteenth session; the bound was 7 waves,
 # 115 rows, before). NANOPLANE_DECODE_TWO_SPLIT_WAVES moves the bound (0: off).
 TWO_SPLIT_WAVES = float(os.environ.get("NANOPLANE_DECODE_TWO_SPLIT_WAVES", "5.5"))
+# With programmatic dependent launch, a program loads its row's context length and first page-table
+# entry (and its place in `seq_order`) before it waits for the QKV prologue: none of these is written
+# during the step, and their chain of dependent loads then overlaps the prologue instead of delaying
+# the first K/V tile. H200, seventeenth session (BENCHMARKS.md): the whole run 28,103 / 28,002 against
+# 27,840 / 27,899 tok/s alternated in one call (+0.6%). NANOPLANE_DECODE_EARLY_SETUP=0 waits first.
+EARLY_SETUP = os.environ.get("NANOPLANE_DECODE_EARLY_SETUP", "1") == "1"
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
@@ -51,14 +57,30 @@ def _attend(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    WAIT_HERE: tl.constexpr = False,
 ):
-    """One (sequence, KV head, split): its GQA group's queries over the split's keys."""
+    """One (sequence, KV head, split): its GQA group's queries over the split's keys. WAIT_HERE: the
+    programmatic-dependent-launch wait comes after the loads of the row's context length and first
+    page-table entry, which no kernel of the step writes after its start, so that their latency overlaps
+    the previous kernel (the QKV prologue, which writes the queries and the step's own K/V)."""
     ctx = tl.load(context_lens_ptr + seq)
     # Per-sequence split length, tile-aligned: short sequences leave trailing splits empty (cheap
     # exits) instead of spreading a few keys over many programs.
     split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Tiles start on multiples of BLOCK_N (so does every split), so where BLOCK_N divides the page
+    # size a tile lies within one page: one table entry a tile instead of one a token, read a tile
+    # ahead, so that a tile's K/V addresses wait on no load of their own. On an H200 the whole
+    # throughput run gained 1.2% from the scalar entry and 0.8% more from reading it ahead
+    # (BENCHMARKS.md, "One page-table entry a tile").
+    ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    if ONE_PAGE:
+        next_page = tl.load(table + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
+    if WAIT_HERE:
+        pdl_prologue(True)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -71,15 +93,6 @@ def _attend(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Tiles start on multiples of BLOCK_N (so does every split), so where BLOCK_N divides the page
-    # size a tile lies within one page: one table entry a tile instead of one a token, read a tile
-    # ahead, so that a tile's K/V addresses wait on no load of their own. On an H200 the whole
-    # throughput run gained 1.2% from the scalar entry and 0.8% more from reading it ahead
-    # (BENCHMARKS.md, "One page-table entry a tile").
-    ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    if ONE_PAGE:
-        next_page = tl.load(table + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
@@ -130,9 +143,10 @@ def _decode_split_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr, EARLY_SETUP: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
+    if not EARLY_SETUP:
+        pdl_prologue(USE_PDL)
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -146,7 +160,8 @@ def _decode_split_kernel(
     _attend(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
             out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2e, num_splits,
             stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, seq, kv_head, tl.program_id(2),
-            NUM_Q_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, DIRECT, BLOCK_G, BLOCK_D, BLOCK_N, PREC)
+            NUM_Q_HEADS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, DIRECT, BLOCK_G, BLOCK_D, BLOCK_N, PREC,
+            EARLY_SETUP and USE_PDL)
 
 
 @triton.jit
@@ -229,7 +244,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out, 
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=tune["block_n"],
         PREC="ieee" if q.dtype == torch.float32 else "tf32", HEADS_FASTEST=tune["heads_fastest"],
         HAS_ORDER=seq_order is not None, num_warps=tune["num_warps"], num_stages=tune["num_stages"],
-        **pdl_args(q.device),
+        EARLY_SETUP=EARLY_SETUP, **pdl_args(q.device),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](

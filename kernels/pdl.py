@@ -12,6 +12,12 @@ are visible, so a kernel never reads an unfinished result, nor overwrites a buff
 still reads; completion is transitive (the predecessor itself waited on its own). Kernels launched
 without PDL (cuBLAS, torch ops) keep the stream's usual full ordering.
 
+One exception, by the same transitivity: a kernel's programs start only once every program of its
+predecessor has passed its own wait, so everything queued before the predecessor has completed. A
+kernel may therefore read, before its wait, what only those earlier operations write (a decode
+step's context lengths and page tables, written at the step's start); the decode attention does
+(kernels/decode_attention.py, EARLY_SETUP). Writes still come after the wait.
+
 `NANOPLANE_PDL=0` turns it off; it is off on CPUs (the interpreter) and before compute capability 9.
 """
 
