@@ -2,8 +2,8 @@
 
 Two paths, each an exact draw from softmax(logits / T):
 
-- fused (kernels.sample; on CUDA by default, `NANOPLANE_FUSED_SAMPLER=0|1` to choose): one Triton
-  pass over the raw logits, argmax of the logits plus Gumbel noise, for every row without
+- fused (kernels.sample; on CUDA by default, `NANOPLANE_FUSED_SAMPLER=0|1` to choose): two short
+  Triton passes over the raw logits, Gumbel-max a group of columns at a time, for every row without
   top-k/top-p/min-p (under tensor parallelism every rank scans its slice of the vocabulary:
   ModelRunner._sample_slices). A row's noise is a function
   of its key and offset: a seeded request's are its seed and the position of the token it draws,

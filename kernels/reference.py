@@ -173,18 +173,50 @@ def silu_and_mul_ref(x: torch.Tensor, row_norm: tuple[torch.Tensor, float] | Non
     return torch.nn.functional.silu(gate) * up
 
 
-def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max sampling in fp32 with the uniform noise given: int64 [R] token ids.
+def group_draw_scores(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
+                      cuts: tuple[int, ...] = (), group: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scores of kernels.sampling's two-level Gumbel-max draw, in fp64, with the uniforms given
+    ([R, 2V]: u[:, c] column c's, u[:, V + c] the group's starting at c).
 
-    Rows at temperature T > 0 take argmax(logits + T * g) with g = -log(-log(u)) (the argmax of
-    logits / T + g: an exact draw from softmax(logits / T)); rows at T == 0 take argmax(logits).
-    Ties go to the lowest index. kernels.sampling.sampling_uniforms gives the u that
-    kernels.sampling.sample draws, so both pick the same ids.
+    Groups: runs of `group` columns from multiples of `group`, also cut at `cuts` (where vocabulary
+    slices start). Returns (group of each column [V], each group's score [R, G]: T * logsumexp(x / T)
+    plus T times its Gumbel noise, or its max at T == 0; each column's score [R, V]: x plus T times
+    its noise, or x). NaN logits count as -inf.
     """
-    x = logits.float()
-    t = temperature.float().unsqueeze(1)
-    noisy = x + t * -torch.log(-torch.log(uniforms.float()))
-    return torch.where(t > 0, noisy, x).argmax(dim=-1)
+    x = logits.double()
+    x = torch.where(torch.isnan(x), float("-inf"), x)
+    rows, vocab = x.shape
+    t = temperature.double().unsqueeze(1)
+    starts = sorted(set(range(0, vocab, group)) | {c for c in cuts if 0 < c < vocab})
+    gid = torch.bucketize(torch.arange(vocab, device=x.device),
+                          torch.tensor(starts, device=x.device), right=True) - 1
+    index = gid.expand(rows, vocab)
+    m = torch.full((rows, len(starts)), float("-inf"), dtype=x.dtype, device=x.device)
+    m = m.scatter_reduce(1, index, x, "amax")
+    mc = m.gather(1, index)
+    # x == max covers the infinities (x - max would be NaN): such a column counts 1.
+    e = torch.where(x == mc, 1.0, torch.exp((x - mc) / torch.where(t > 0, t, 1.0)))
+    s = torch.zeros_like(m).index_add_(1, gid, e)
+    g = -torch.log(-torch.log(uniforms.double()))
+    group_noise = g[:, vocab + torch.tensor(starts, device=x.device)]
+    group_scores = torch.where(t > 0, m + t * (torch.log(s) + group_noise), m)
+    column_scores = torch.where(t > 0, x + t * g[:, :vocab], x)
+    return gid, group_scores, column_scores
+
+
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor,
+                     cuts: tuple[int, ...] = (), group: int = 64) -> torch.Tensor:
+    """kernels.sampling's draw in fp64 with the uniforms given: int64 [R] token ids.
+
+    Rows at T > 0: the group with the best score (group_draw_scores), then within it the column
+    with the best score; this is an exact draw from softmax(logits / T) because Gumbel noise is
+    max-stable. Rows at T == 0 take argmax(logits). Ties go to the lowest index;
+    kernels.sampling.sampling_uniforms gives the u that kernels.sampling.sample draws.
+    """
+    gid, group_scores, column_scores = group_draw_scores(logits, temperature, uniforms, cuts, group)
+    chosen = group_scores.argmax(dim=1, keepdim=True)
+    inside = torch.where(gid.unsqueeze(0) == chosen, column_scores, float("-inf"))
+    return inside.argmax(dim=1)
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,24 +1,33 @@
-"""Sampling in one pass over the logits: greedy rows take the argmax, the others a Gumbel-max draw.
+"""Sampling in two short passes over the logits: greedy rows take the argmax, the others an exact
+draw from softmax(logits / T), by Gumbel-max taken a group of columns at a time.
 
-For a row at temperature T > 0 the token is argmax(logits + T * g) with g = -log(-log(u)) Gumbel
-noise, u uniform in (0, 1): the same argmax as logits / T + g, so an exact draw from
-softmax(logits / T), without a softmax, a division or an fp32 copy of the logits (and no overflow
-when T is tiny). Rows at T == 0 take argmax(logits). Ties go to the lowest index, as torch.argmax.
+Gumbel-max draws argmax(logits + T * g) with g = -log(-log(u)) standard Gumbel noise, u uniform:
+an exact draw from softmax(logits / T) with no softmax, division or fp32 copy of the logits. Noise
+for every one of 151,936 columns is Philox and two logs a column, which made that integer work,
+not the read of the logits, bound the kernel (91 us at 256 rows against an 18 us read). Gumbel
+noise is max-stable, which allows the same draw with a noise per group of columns instead: over a
+group G, max_{i in G}(x_i + T g_i) is distributed as T * logsumexp(x_G / T) + T g_G, and which
+column reaches that maximum is independent of its value, distributed as softmax(x_G / T). So:
 
-The noise is Philox4x32-10 (tl.rand4x), keyed by the row's seed; with Q = ceil(V / 4) its counter
-is `offset * Q + i`, and the four words of counter i are the uniforms of columns i, Q + i, 2Q + i
-and 3Q + i (the row cut in four quarters, each read contiguously). One Philox call thus serves four
-columns, which matters: at 10 rounds per call the integer work, not the read of the logits, would
-bound the kernel. For the same reason the GPU takes its two logs from the multi-function unit's log2
-rather than libdevice's polynomial (`_gumbel`: the noise within ~1e-6 of the exact formula). A
-row's draw depends only on (seed, offset, logits, T), never on the other rows of the batch. NaN
-logits never win (torch.argmax would pick them); a row with nothing above -inf gives 0, as
-torch.argmax does.
+1. `_group_kernel` (one read of the logits, no noise) writes each group's score, its log-sum-exp
+   T * logsumexp(x_G / T) (for a greedy row its max);
+2. `_draw_kernel` adds one Gumbel noise per group, takes the best group, then draws its column by
+   Gumbel-max over that group's 64 columns with a noise per column.
 
-With the vocabulary split over tensor-parallel ranks, `sample_partial` scans one rank's slice of
-the columns with the same noise per column and returns each row's best (score, column); the ranks
-exchange those pairs and `combine_partials` picks the same token `sample` would pick from the whole
-row: the logits are never gathered.
+The groups are the columns' runs of GROUP aligned to multiples of GROUP, cut where a vocabulary
+slice starts or ends (tensor parallelism); any partition is an exact draw, and with slices that
+are multiples of GROUP wide (Qwen3's 151,936 over two ranks) a slice cuts no group, so the ranks'
+partial draws combine into exactly the whole row's. A group's noise is keyed by its first column.
+
+Noise: Philox4x32-10 (tl.rand) keyed by the row's seed, counter `offset * 2V + j`: j = c for
+column c's noise, j = V + c for the noise of the group starting at column c (V the vocabulary
+size). A row's draw thus depends only on (seed, offset, logits, T), never on the batch or on how
+the launch was tiled. Ties go to the lowest index, as torch.argmax; NaN logits never win; a row
+with nothing above -inf gives 0.
+
+With the vocabulary split over tensor-parallel ranks, `sample_partial` draws over one rank's
+slice and returns each row's best (score, column); `combine_partials` picks the token from those
+pairs: the logits are never gathered.
 """
 
 import torch
@@ -27,153 +36,109 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_prologue
 
+# Columns per group: the draw's partition (changing it changes every seeded draw). 64 divides the
+# slices of Qwen3's vocabulary over two ranks (75,968 = 64 x 1,187).
+GROUP = 64
+_GROUP = tl.constexpr(GROUP)
 # Index no column reaches: marks "nothing seen yet" in the running argmax.
 _NONE = tl.constexpr(2**31 - 1)
-# Smallest uniform let through: tl.rand can return 0, whose Gumbel noise would be -inf (and whose
-# -log would be +inf); 1e-30 gives finite noise (about -4.2). Its upper end is below 1 already.
+# Smallest uniform let through: tl.rand can return 0, whose Gumbel noise would be -inf.
 _U_MIN = tl.constexpr(1e-30)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _uniforms4(seed, counters):
-    """The uniforms in (0, 1) of the four quarters' columns at `counters`."""
-    u0, u1, u2, u3 = tl.rand4x(seed, counters)
-    return (tl.maximum(u0, _U_MIN), tl.maximum(u1, _U_MIN), tl.maximum(u2, _U_MIN), tl.maximum(u3, _U_MIN))
+def _load(row_ptr, cols, LO, HI):
+    """Columns `cols` of a row holding columns [LO, HI), in fp32; -inf outside it and for NaN."""
+    x = tl.load(row_ptr + (cols - LO), mask=(cols >= LO) & (cols < HI), other=float("-inf")).to(tl.float32)
+    return tl.where(x == x, x, float("-inf"))
 
 
 @triton.jit
-def _lg2_approx(x):
-    # The multi-function unit's log2: one instruction where libdevice's logf takes ~20. Its error is
-    # ~2^-22 relative, but ~2^-22.6 absolute near x = 1, where log2(x) itself goes to 0.
-    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
+def _gumbel(seed, counters):
+    u = tl.maximum(tl.rand(seed, counters), _U_MIN)
+    return -tl.log(-tl.log(u))
 
 
 @triton.jit
-def _gumbel(u, FAST_LOG: tl.constexpr):
-    """-log(-log(u)). With FAST_LOG (a GPU: the interpreter runs no inline assembly) within ~1e-6 of
-    it: what decides a draw is the noise of the u closest to 1, so the inner log must stay accurate
-    relative to its tiny result there, which a plain approximate log2 is not (a row of 512 drew a
-    token 1.5 below the best score that way)."""
-    if FAST_LOG:
-        # -ln(u) = -2 atanh(s), s = (u - 1) / (u + 1): for u > 0.9, |s| < 0.053, and three terms of
-        # the series are off by under 1e-8 relative (with fp32's roundings 2e-7 over every u there).
-        # Below 0.9, |log2(u)| > 0.15 keeps the approximate log2's absolute error a relative ~1e-6.
-        s = (u - 1.0) / (u + 1.0)
-        s2 = s * s
-        near = -2.0 * s * (1.0 + s2 * (1.0 / 3.0 + s2 * 0.2))
-        e = tl.where(u > 0.9, near, -0.6931471805599453 * _lg2_approx(u))
-        # The outer log's absolute error (~1e-7 near e = 1, ~4e-6 at the largest noise) is what the
-        # score gets: far below any gap between two scores that is not a tie.
-        return -0.6931471805599453 * _lg2_approx(e)
-    else:
-        return -tl.log(-tl.log(u))
-
-
-@triton.jit
-def _update(row_ptr, i, live, q: tl.constexpr, VQ, LO, HI, t, u, best, best_idx, NOISE: tl.constexpr,
-            FAST_LOG: tl.constexpr):
-    # Within one lane and quarter the columns only grow, so a strict > keeps the lowest index of a tie.
-    # row_ptr holds columns [LO, HI) of the row (the whole row: LO = 0, HI = V).
-    col = q * VQ + i
-    mask = live & (col >= LO) & (col < HI)
-    x = tl.load(row_ptr + (col - LO), mask=mask, other=float("-inf")).to(tl.float32)
-    if NOISE:
-        x = x + t * _gumbel(u, FAST_LOG)
-    take = x > best
-    return tl.where(take, x, best), tl.where(take, col, best_idx)
-
-
-@triton.jit
-def _scan(row_ptr, seed, base, start, stop, VQ, LO, HI, t, BLOCK: tl.constexpr, NOISE: tl.constexpr,
-          FAST_LOG: tl.constexpr):
-    """(max score, lowest column reaching it) over quarter indices [start, stop) of one row."""
-    lanes = tl.arange(0, BLOCK)
-    b0 = tl.full((BLOCK,), float("-inf"), tl.float32)
-    b1, b2, b3 = b0, b0, b0
-    i0 = tl.full((BLOCK,), _NONE, tl.int32)
-    i1, i2, i3 = i0, i0, i0
-    for s in range(start, stop, BLOCK):
-        i = s + lanes
-        live = i < stop
-        if NOISE:
-            u0, u1, u2, u3 = _uniforms4(seed, base + i)
-        else:
-            u0, u1, u2, u3 = t, t, t, t  # unused
-        b0, i0 = _update(row_ptr, i, live, 0, VQ, LO, HI, t, u0, b0, i0, NOISE, FAST_LOG)
-        b1, i1 = _update(row_ptr, i, live, 1, VQ, LO, HI, t, u1, b1, i1, NOISE, FAST_LOG)
-        b2, i2 = _update(row_ptr, i, live, 2, VQ, LO, HI, t, u2, b2, i2, NOISE, FAST_LOG)
-        b3, i3 = _update(row_ptr, i, live, 3, VQ, LO, HI, t, u3, b3, i3, NOISE, FAST_LOG)
-    best = tl.maximum(tl.maximum(tl.max(b0, 0), tl.max(b1, 0)), tl.maximum(tl.max(b2, 0), tl.max(b3, 0)))
-    idx = tl.minimum(
-        tl.minimum(tl.min(tl.where(b0 == best, i0, _NONE), 0), tl.min(tl.where(b1 == best, i1, _NONE), 0)),
-        tl.minimum(tl.min(tl.where(b2 == best, i2, _NONE), 0), tl.min(tl.where(b3 == best, i3, _NONE), 0)),
-    )
-    return best, idx
-
-
-@triton.jit
-def _sample_kernel(
-    logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, out_ptr, part_val_ptr, part_idx_ptr,
-    stride_row, VQ, SPAN, LO, HI,
-    BLOCK: tl.constexpr, SPLIT: tl.constexpr, FAST_LOG: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """One program per (row, split): split s covers quarter indices [s * SPAN, (s + 1) * SPAN), of
-    which it reads the columns in [LO, HI)."""
+def _group_kernel(logits_ptr, temperature_ptr, scores_ptr, stride_row, NUM_GROUPS, SPAN, FIRST, LO, HI,
+                  TILE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, split) scores the row's groups [split * SPAN, (split + 1) * SPAN) of NUM_GROUPS,
+    TILE groups at a time. Group k holds columns [(FIRST + k) * GROUP, +GROUP) within [LO, HI)."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
-    split = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    out_ptr = scores_ptr + row.to(tl.int64) * NUM_GROUPS
     t = tl.load(temperature_ptr + row)
-    start = split * SPAN
-    stop = tl.minimum(start + SPAN, VQ)
-    if t > 0:
-        seed = tl.load(seeds_ptr + row)
-        base = tl.load(offsets_ptr + row) * VQ
-        best, idx = _scan(row_ptr, seed, base, start, stop, VQ, LO, HI, t, BLOCK, True, FAST_LOG)
-    else:
-        best, idx = _scan(row_ptr, 0, 0, start, stop, VQ, LO, HI, t, BLOCK, False, FAST_LOG)
-    if SPLIT:
-        tl.store(part_val_ptr + row * tl.num_programs(1) + split, best)
-        tl.store(part_idx_ptr + row * tl.num_programs(1) + split, idx)
-    else:
-        # Only a row whose every score is -inf (or NaN) sees no column; torch.argmax gives 0 there.
-        tl.store(out_ptr + row, tl.where(idx == _NONE, 0, idx).to(tl.int64))
+    # exp2((x - m) * scale) = exp((x - m) / T); a greedy row only takes maxima.
+    scale = _LOG2E / tl.where(t > 0, t, 1.0)
+    groups = tl.arange(0, TILE)
+    lanes = tl.arange(0, _GROUP)
+    start = tl.program_id(1) * SPAN
+    stop = tl.minimum(start + SPAN, NUM_GROUPS)
+    for g0 in range(start, stop, TILE):
+        k = g0 + groups
+        cols = (FIRST + k)[:, None] * _GROUP + lanes[None, :]
+        x = _load(row_ptr, cols, LO, HI)
+        m = tl.max(x, 1)
+        if t > 0:
+            # x == m covers x = m = +-inf, where x - m is NaN: such a column counts 1 (all -inf: the
+            # score stays -inf; several +inf: +inf).
+            e = tl.where(x == m[:, None], 1.0, tl.exp2((x - m[:, None]) * scale))
+            score = m + t * (_LN2 * tl.log2(tl.sum(e, 1)))
+        else:
+            score = m
+        tl.store(out_ptr + k, score, mask=k < stop)
 
 
 @triton.jit
-def _reduce_splits_kernel(part_val_ptr, part_idx_ptr, out_ptr, best_ptr, NUM_SPLITS, BLOCK: tl.constexpr,
-                          PARTIAL: tl.constexpr, USE_PDL: tl.constexpr):
-    """The row's (best score, lowest column reaching it) over its splits: the token id into out, or
-    with PARTIAL the score into best_ptr and the column (_NONE if none) into out as int32."""
+def _draw_kernel(logits_ptr, scores_ptr, temperature_ptr, seeds_ptr, offsets_ptr, out_ptr, best_ptr,
+                 stride_row, NUM_GROUPS, FIRST, LO, HI, V, BLOCK: tl.constexpr, PARTIAL: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """Program `row`: the best group (its score plus T times its noise), then the column within it.
+    Writes the token id (int64), or with PARTIAL the column (int32, _NONE if none) and its score."""
     pdl_prologue(USE_PDL)
     row = tl.program_id(0)
-    s = tl.arange(0, BLOCK)
-    mask = s < NUM_SPLITS
-    val = tl.load(part_val_ptr + row * NUM_SPLITS + s, mask=mask, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + row * NUM_SPLITS + s, mask=mask, other=_NONE)
-    best = tl.max(val, 0)
-    first = tl.min(tl.where(val == best, idx, _NONE), 0)
+    t = tl.load(temperature_ptr + row)
+    seed = tl.load(seeds_ptr + row)
+    base = tl.load(offsets_ptr + row) * (2 * V)
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_k = tl.full((BLOCK,), _NONE, tl.int32)
+    for g0 in range(0, NUM_GROUPS, BLOCK):
+        k = g0 + lanes
+        live = k < NUM_GROUPS
+        s = tl.load(scores_ptr + row.to(tl.int64) * NUM_GROUPS + k, mask=live, other=float("-inf"))
+        if t > 0:
+            first_col = tl.maximum((FIRST + k) * _GROUP, LO)  # a group cut by the slice: its first column
+            s = s + t * _gumbel(seed, base + V + first_col)
+        take = s > best  # strict: within a lane groups only grow, so a tie keeps the lowest
+        best = tl.where(take, s, best)
+        best_k = tl.where(take, k, best_k)
+    top = tl.max(best, 0)
+    k = tl.min(tl.where(best == top, best_k, _NONE), 0)
+    # The column within group k (group 0's read, then dropped, where no group scored above -inf).
+    cols = (FIRST + tl.where(k == _NONE, 0, k)) * _GROUP + tl.arange(0, _GROUP)
+    x = _load(logits_ptr + row.to(tl.int64) * stride_row, cols, LO, HI)
+    if t > 0:
+        x = x + t * _gumbel(seed, base + cols)
+    col = tl.min(tl.where(x == tl.max(x, 0), cols, _NONE), 0)
+    col = tl.where(k == _NONE, _NONE, col)
     if PARTIAL:
-        tl.store(best_ptr + row, best)
-        tl.store(out_ptr + row, first)
+        tl.store(best_ptr + row, top)
+        tl.store(out_ptr + row, col)
     else:
-        tl.store(out_ptr + row, tl.where(first == _NONE, 0, first).to(tl.int64))
+        tl.store(out_ptr + row, tl.where(col == _NONE, 0, col).to(tl.int64))
 
 
 @triton.jit
-def _uniforms_kernel(seeds_ptr, offsets_ptr, out_ptr, stride_row, V, VQ, BLOCK: tl.constexpr):
+def _uniforms_kernel(seeds_ptr, offsets_ptr, out_ptr, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    seed = tl.load(seeds_ptr + row)
-    base = tl.load(offsets_ptr + row) * VQ
-    u0, u1, u2, u3 = _uniforms4(seed, base + i)
-    row_ptr = out_ptr + row.to(tl.int64) * stride_row
-    live = i < VQ
-    tl.store(row_ptr + i, u0, mask=live & (i < V))
-    tl.store(row_ptr + VQ + i, u1, mask=live & (VQ + i < V))
-    tl.store(row_ptr + 2 * VQ + i, u2, mask=live & (2 * VQ + i < V))
-    tl.store(row_ptr + 3 * VQ + i, u3, mask=live & (3 * VQ + i < V))
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    base = tl.load(offsets_ptr + row) * (2 * V)
+    u = tl.maximum(tl.rand(tl.load(seeds_ptr + row), base + j), _U_MIN)
+    tl.store(out_ptr + row.to(tl.int64) * (2 * V) + j, u, mask=j < 2 * V)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -208,9 +173,9 @@ def sample(
     """One token id per row (int64 [R]) of logits [R, V] (bf16/fp16/fp32, unit-stride rows).
 
     temperature [R] fp32 (0: greedy); seeds, offsets [R] int64 on the logits' device pick each row's
-    noise (module docstring). `block` (columns per quarter per step) and `num_splits` (programs per
-    row) tune the launch; by default a batch of few rows spreads each row over several programs so
-    that a single row still fills the GPU. Nothing here reads the device from the host.
+    noise (module docstring). `block` (columns a program reads per step, a multiple of GROUP) and
+    `num_splits` (programs per row) tune the first pass; the draw does not depend on them. Nothing
+    here reads the device from the host.
     """
     out, _ = _launch(logits, 0, logits.shape[-1] if logits.dim() else 0, temperature, seeds, offsets, block,
                      num_splits, partial=False)
@@ -221,12 +186,12 @@ def sample_partial(
     logits: torch.Tensor, start: int, vocab_size: int, temperature: torch.Tensor, seeds: torch.Tensor,
     offsets: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample`'s scan over one slice of the vocabulary: logits [R, n] are columns [start, start + n)
+    """`sample`'s draw over one slice of the vocabulary: logits [R, n] are columns [start, start + n)
     of rows of `vocab_size` columns (columns at or past vocab_size, a rank's padding, are skipped).
 
-    Returns each row's best score (fp32 [R]; logit plus T times its Gumbel noise) and the lowest
-    column reaching it (int32 [R], 2**31 - 1 where no column scored above -inf): combine_partials
-    turns the slices' pairs into the ids `sample` gives for the whole rows.
+    Returns each row's best score (fp32 [R]: its best group's score plus T times that group's
+    noise) and the column drawn in that group (int32 [R], 2**31 - 1 where no column scored above
+    -inf): combine_partials turns the slices' pairs into token ids.
     """
     # A slice may lie wholly in the padding, even past the vocabulary (10 columns over 8 ranks: rank 7
     # holds 14-15): it has no column to offer.
@@ -254,58 +219,52 @@ def _launch(logits, lo, hi, temperature, seeds, offsets, block, num_splits, part
     rows = logits.shape[0]
     vocab = hi if vocab_size is None else vocab_size
     assert 0 <= lo <= hi <= vocab and hi - lo <= logits.shape[1]
+    assert block is None or (block % GROUP == 0 and block & (block - 1) == 0), "block: a power of 2, >= GROUP"
     _check(temperature, seeds, offsets, rows, logits.device)
     if rows == 0 or hi == lo:  # no column: no score, no column (partial), or id 0 as torch.argmax gives
         if partial:
             return (torch.full((rows,), torch.iinfo(torch.int32).max, dtype=torch.int32, device=logits.device),
                     torch.full((rows,), float("-inf"), dtype=torch.float32, device=logits.device))
         return torch.zeros(rows, dtype=torch.int64, device=logits.device), None
-    # Every row's outputs are written below (by the kernel, or by the reduce after a split).
-    out = torch.empty(rows, dtype=torch.int32 if partial else torch.int64, device=logits.device)
-    best = torch.empty(rows, dtype=torch.float32, device=logits.device) if partial else None
-    quarter = triton.cdiv(vocab, 4)
+    first = lo // GROUP
+    num_groups = triton.cdiv(hi, GROUP) - first
     sms = _sm_count(logits.device)
+    # Sixteen programs an SM, 4,096 columns a tile at most: enough bytes in flight for the read to
+    # approach the bandwidth (benchmarks/kernels.py --only sample; four an SM left it at ~60%).
+    programs = 16 * sms if logits.is_cuda else 1  # the interpreter runs one program at a time
+    tile = (block or 4096) // GROUP
+    tile = min(tile, triton.next_power_of_2(num_groups))
     if block is None:
-        block = min(1024, triton.next_power_of_2(quarter))
-        while block > 256 and rows * triton.cdiv(quarter, block) < 2 * sms:
-            block //= 2  # few rows: smaller tiles, so that the splits below can reach every SM
-    tiles = triton.cdiv(quarter, block)
+        while tile > 4 and rows * triton.cdiv(num_groups, tile) < programs:
+            tile //= 2  # few rows: smaller tiles, so that the splits below can reach every SM
+    tiles = triton.cdiv(num_groups, tile)
     if num_splits is None:
-        # About four programs per SM: enough to hide latency and to even out the last wave.
-        num_splits = min(tiles, triton.cdiv(4 * sms, rows))
-    num_splits = max(1, min(num_splits, tiles))
-    span = triton.cdiv(tiles, num_splits) * block
-    num_splits = triton.cdiv(quarter, span)  # no split left without columns
-    split = num_splits > 1 or partial
-    if split:
-        part_val = torch.empty(rows, num_splits, dtype=torch.float32, device=logits.device)
-        part_idx = torch.empty(rows, num_splits, dtype=torch.int32, device=logits.device)
-    else:
-        part_val, part_idx = out, out  # placeholders: SPLIT=False compiles them away
-    _sample_kernel[(rows, num_splits)](
-        logits, temperature, seeds, offsets, out, part_val, part_idx,
-        logits.stride(0), quarter, span, lo, hi,
-        BLOCK=block, SPLIT=split, FAST_LOG=logits.device.type == "cuda", num_warps=min(8, max(1, block // 128)),
-        **pdl_args(logits.device),
-    )
-    if split:
-        _reduce_splits_kernel[(rows,)](part_val, part_idx, out, part_val if best is None else best, num_splits,
-                                        BLOCK=triton.next_power_of_2(num_splits), PARTIAL=partial,
-                                        **pdl_args(logits.device))
-    return out, best
+        num_splits = triton.cdiv(programs, rows)
+    span = triton.cdiv(tiles, max(1, min(num_splits, tiles))) * tile
+    scores = torch.empty(rows, num_groups, dtype=torch.float32, device=logits.device)
+    pdl = pdl_args(logits.device)
+    _group_kernel[(rows, triton.cdiv(num_groups, span))](
+        logits, temperature, scores, logits.stride(0), num_groups, span, first, lo, hi,
+        TILE=tile, num_warps=4, **pdl)
+    out = torch.empty(rows, dtype=torch.int32 if partial else torch.int64, device=logits.device)
+    best = torch.empty(rows, dtype=torch.float32, device=logits.device) if partial else out
+    _draw_kernel[(rows,)](
+        logits, scores, temperature, seeds, offsets, out, best, logits.stride(0), num_groups, first, lo, hi,
+        vocab, BLOCK=min(1024, triton.next_power_of_2(num_groups)), PARTIAL=partial, num_warps=8, **pdl)
+    return out, best if partial else None
 
 
 def sampling_uniforms(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The uniforms u [R, V] (fp32, in (0, 1)) that `sample` draws for these seeds and offsets.
+    """The uniforms u [R, 2V] (fp32, in (0, 1)) behind `sample`'s noise for these seeds and offsets:
+    u[:, c] for column c, u[:, V + c] for the group starting at column c.
 
     For tests: kernels.reference.sample_reference(logits, temperature, u) must pick the same ids.
     """
     rows = seeds.shape[0]
     assert seeds.dtype == offsets.dtype == torch.int64 and offsets.shape == (rows,)
-    out = torch.empty(rows, vocab_size, dtype=torch.float32, device=seeds.device)
-    quarter = triton.cdiv(vocab_size, 4)
-    block = min(1024, triton.next_power_of_2(quarter))
+    out = torch.empty(rows, 2 * vocab_size, dtype=torch.float32, device=seeds.device)
+    block = min(1024, triton.next_power_of_2(2 * vocab_size))
     if rows and vocab_size:
-        _uniforms_kernel[(rows, triton.cdiv(quarter, block))](
-            seeds.contiguous(), offsets.contiguous(), out, out.stride(0), vocab_size, quarter, BLOCK=block)
+        _uniforms_kernel[(rows, triton.cdiv(2 * vocab_size, block))](
+            seeds.contiguous(), offsets.contiguous(), out, vocab_size, BLOCK=block)
     return out

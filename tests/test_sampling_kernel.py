@@ -19,14 +19,14 @@ pytest.importorskip("triton")
 
 from kernels import combine_partials, sample, sample_partial  # noqa: E402
 from kernels import reference as ref  # noqa: E402
-from kernels.sampling import sampling_uniforms  # noqa: E402
+from kernels.sampling import GROUP, sampling_uniforms  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (block, num_splits): the launcher's choice, and small tiles over several programs per row (the
+# (block, num_splits): the launcher's choice, and one group a tile over several programs per row (the
 # path a GPU takes for a batch of few rows) so that tile and split boundaries are crossed.
-LAUNCHES = [(None, None), (16, 3)]
+LAUNCHES = [(None, None), (64, 3)]
 
 
 @pytest.fixture(autouse=True)
@@ -42,23 +42,27 @@ def streams(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def assert_reference_draws(ids: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
-                           seeds: torch.Tensor, offsets: torch.Tensor) -> None:
-    """The kernel's ids are the reference's given the kernel's uniforms.
+                           seeds: torch.Tensor, offsets: torch.Tensor, cuts: tuple[int, ...] = ()) -> None:
+    """The kernel's ids are the fp64 reference's given the kernel's uniforms.
 
-    Exactly, but for a near-tie of two scores: on a GPU the kernel's log is not torch's to the last
-    bit (and may fuse x + T * g), which can swap two scores within rounding of each other.
+    Exactly, but for a near-tie of two scores: the kernel sums exponentials in fp32 (and its exp2
+    and logs are not torch's to the last bit), which can swap two scores within rounding of each other.
     """
     u = sampling_uniforms(seeds, offsets, logits.shape[1])
-    expected = ref.sample_reference(logits, temperature, u)
+    expected = ref.sample_reference(logits, temperature, u, cuts)
     assert ids.dtype == torch.int64 and ids.shape == expected.shape
     differ = (ids != expected).nonzero().flatten().tolist()
-    x = logits.float()
-    t = temperature.float().unsqueeze(1)
-    scores = torch.where(t > 0, x + t * -torch.log(-torch.log(u)), x)
+    gid, group_scores, column_scores = ref.group_draw_scores(logits, temperature, u, cuts)
+
+    def near(best: float, got: float) -> bool:
+        return abs(best - got) <= 1e-5 * max(1.0, abs(best))
+
     for r in differ:
-        best, got = scores[r, expected[r]].item(), scores[r, ids[r]].item()
-        assert abs(best - got) <= 1e-5 * max(1.0, abs(best)), f"row {r}: kernel {int(ids[r])} scores {got}, " \
-                                                              f"reference {int(expected[r])} scores {best}"
+        g_best, g_got = int(gid[expected[r]]), int(gid[ids[r]])
+        assert near(group_scores[r, g_best].item(), group_scores[r, g_got].item()), \
+            f"row {r}: kernel's group {g_got} against the reference's {g_best}"
+        top = column_scores[r][gid == g_got].max().item()
+        assert near(top, column_scores[r, ids[r]].item()), f"row {r}: kernel {int(ids[r])} is not its group's best"
     assert len(differ) <= max(1, ids.numel() // 100), f"{len(differ)} near-ties is too many: {differ}"
 
 
@@ -70,6 +74,7 @@ def test_matches_reference_given_the_uniforms(dtype, vocab, block, num_splits):
     # A view with a row stride wider than V: the kernel must not assume contiguous rows.
     wide = torch.randn(rows, vocab + 13, device=DEV) * 4
     logits = wide.to(dtype)[:, :vocab]
+    logits[6] = 0.0  # flat: its draw is the argmax (column 0) one time in V
     temperature = torch.tensor([1.0, 0.0, 0.7, 2.5, 0.0, 1e-3, 1.0], device=DEV)
     seeds, offsets = streams(rows)
     ids = sample(logits, temperature, seeds, offsets, block=block, num_splits=num_splits)
@@ -109,15 +114,49 @@ def test_frequencies_follow_softmax(temperature):
     assert ((freq - probs).abs() <= 4.5 * sigma + 1e-3).all(), (freq.tolist(), probs.tolist())
 
 
+def spread_logits(vocab: int = 300) -> torch.Tensor:
+    """-inf but for six columns over five groups of 64 (two in one group, one in the short last)."""
+    logits = torch.full((vocab,), float("-inf"), device=DEV)
+    logits[torch.tensor([3, 70, 130, 131, 200, 299])] = torch.tensor([2.0, 1.0, 0.0, 0.5, -1.0, 1.5], device=DEV)
+    return logits
+
+
+@pytest.mark.parametrize("cuts", [(), (131, 150)])
+def test_group_draws_follow_softmax(cuts):
+    # The two-level draw, given uniform noise: each group must get its whole mass, each column its
+    # share of it, with or without extra cuts (one between the two columns of a group). Many draws of
+    # the fp64 reference (the kernel matches it elsewhere), so the bound is tight.
+    logits, t, rows = spread_logits(), 0.7, 40_000
+    u = torch.rand(rows, 2 * logits.numel(), dtype=torch.float64, device=DEV).clamp_min(1e-30)
+    ids = ref.sample_reference(logits.expand(rows, -1), torch.full((rows,), t, device=DEV), u, cuts)
+    freq = torch.bincount(ids.cpu(), minlength=logits.numel()).double() / rows
+    probs = torch.softmax(logits.double().cpu() / t, -1)
+    assert ((freq - probs).abs() <= 4.5 * (probs * (1 - probs) / rows).sqrt() + 1e-12).all()
+
+
+def test_kernel_draws_across_groups_follow_softmax():
+    # The kernel itself over five groups: 300 draws (interpreter cost) on a CPU, loose like the above.
+    logits, t = spread_logits(), 0.7
+    rows = 300 if DEV == "cpu" else 100_000
+    seeds = torch.full((rows,), 77, dtype=torch.int64, device=DEV)
+    ids = sample(logits.expand(rows, -1), torch.full((rows,), t, device=DEV), seeds,
+                 torch.arange(rows, dtype=torch.int64, device=DEV))
+    freq = torch.bincount(ids.cpu(), minlength=logits.numel()).double() / rows
+    probs = torch.softmax(logits.double().cpu() / t, -1)
+    assert freq[probs == 0].sum() == 0
+    assert ((freq - probs).abs() <= 4.5 * (probs * (1 - probs) / rows).sqrt() + 1e-3).all(), freq[probs > 0]
+
+
 def test_noise_is_uniform_and_gumbel_max_draws_softmax():
-    # One long row of the kernel's uniforms (cheap: four columns a Philox call), cut into draws of 4.
+    # One long row of the kernel's uniforms, cut into draws over 4 columns (4 column noises, then 4
+    # group noises of which the one group's is used).
     seeds = torch.tensor([99], dtype=torch.int64, device=DEV)
     u = sampling_uniforms(seeds, torch.tensor([5], dtype=torch.int64, device=DEV), 1 << 16)
-    assert ((u > 0) & (u < 1)).all()
+    assert u.shape == (1, 1 << 17) and ((u > 0) & (u < 1)).all()
     assert torch.isfinite(-torch.log(-torch.log(u))).all()
     hist = torch.histc(u.cpu(), bins=16, min=0, max=1) / u.numel()
     assert (hist - 1 / 16).abs().max() < 0.005  # 6 sigma of a bin's frequency
-    draws = u.view(-1, 4)
+    draws = u.view(-1, 8)
     logits = torch.tensor([1.5, 0.0, -0.5, 0.3], device=DEV)
     t = 0.8
     ids = ref.sample_reference(logits.expand(draws.shape[0], -1), torch.full((draws.shape[0],), t, device=DEV), draws)
@@ -127,14 +166,14 @@ def test_noise_is_uniform_and_gumbel_max_draws_softmax():
 
 
 def test_seeded_draws_do_not_depend_on_the_batch():
-    vocab = 37
+    vocab = 301  # five groups
     logits = torch.randn(6, vocab, device=DEV)
     temperature = torch.tensor([1.0, 0.0, 0.9, 1.0, 1.5, 1.0], device=DEV)
     seeds, offsets = streams(6)
     batched = sample(logits, temperature, seeds, offsets)
     for r in (0, 2, 5):
         alone = sample(logits[r:r + 1], temperature[r:r + 1], seeds[r:r + 1], offsets[r:r + 1])
-        split = sample(logits[r:r + 1], temperature[r:r + 1], seeds[r:r + 1], offsets[r:r + 1], block=4,
+        split = sample(logits[r:r + 1], temperature[r:r + 1], seeds[r:r + 1], offsets[r:r + 1], block=64,
                        num_splits=2)
         assert alone.item() == split.item() == batched[r].item()
     # The next offsets of one seed are fresh draws (flat logits: any token may come).
@@ -149,22 +188,22 @@ def test_seeded_draws_do_not_depend_on_the_batch():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extreme_logits(dtype):
-    vocab = 64
+    vocab = 200  # four groups, the last cut short
     big = torch.finfo(dtype).max
     logits = torch.randn(6, vocab, device=DEV).to(dtype)
     logits[0, :] = float("-inf")  # nothing to draw: 0, as torch.argmax
     logits[1, :] = float("-inf")
-    logits[1, [5, 40]] = torch.tensor([0.0, 1.0], device=DEV).to(dtype)  # only these two can come
+    logits[1, [5, 140]] = torch.tensor([0.0, 1.0], device=DEV).to(dtype)  # only these two can come
     logits[2, 17] = big  # overwhelms the noise at any sane temperature
     logits[2, 3] = -big
     logits[3, 30] = float("inf")
-    logits[3, 50] = float("inf")  # +inf ties: the first
+    logits[3, 150] = float("inf")  # +inf ties, in another group: the first
     logits[4, :] = big  # all at the top of the range: the noise must not overflow into inf or NaN
     logits[5, ::2] = float("-inf")
     temperature = torch.tensor([1.0, 1e-6, 1.0, 3.0, 1e4, 1e-30], device=DEV)
     seeds, offsets = streams(6)
     ids = sample(logits, temperature, seeds, offsets)
-    assert ids[0] == 0 and ids[1] in (5, 40) and ids[2] == 17 and ids[3] == 30
+    assert ids[0] == 0 and ids[1] in (5, 140) and ids[2] == 17 and ids[3] == 30
     assert 0 <= ids[4] < vocab and ids[5] % 2 == 1
     assert_reference_draws(ids, logits, temperature, seeds, offsets)
 
@@ -196,9 +235,9 @@ def sliced(logits: torch.Tensor, temperature, seeds, offsets, ranks: int) -> tor
     return combine_partials(best, idx)
 
 
-# 301: a multiple neither of 4 (the noise's quarters) nor of the ranks; 10 over 8 ranks: the last two
-# slices lie past the vocabulary, in padding only.
-@pytest.mark.parametrize("vocab,ranks", [(301, 2), (301, 3), (10, 8)])
+# 256 over 2: slices of two whole groups, which cut none. 301: slices that cut groups, so that the
+# draw's partition has cuts; 10 over 8 ranks: the last two slices lie past the vocabulary, in padding.
+@pytest.mark.parametrize("vocab,ranks", [(256, 2), (301, 2), (301, 3), (10, 8)])
 def test_vocabulary_slices_draw_what_the_whole_row_draws(vocab, ranks):
     rows = 5
     logits = (torch.randn(rows, vocab, device=DEV) * 3).to(torch.bfloat16)
@@ -207,7 +246,12 @@ def test_vocabulary_slices_draw_what_the_whole_row_draws(vocab, ranks):
     temperature = torch.tensor([1.0, 0.0, 0.8, 0.0, 2.0], device=DEV)
     seeds, offsets = streams(rows)
     whole = sample(logits, temperature, seeds, offsets)
-    assert torch.equal(sliced(logits, temperature, seeds, offsets, ranks), whole)
+    ids = sliced(logits, temperature, seeds, offsets, ranks)
+    per = -(-vocab // ranks)
+    assert_reference_draws(ids, logits, temperature, seeds, offsets, cuts=tuple(r * per for r in range(ranks)))
+    if per % GROUP == 0:  # no group cut: the very draw of the whole row
+        assert torch.equal(ids, whole)
+    assert torch.equal(ids[[0, 1, 3]], whole[[0, 1, 3]])  # nothing to draw, or greedy
     assert whole[0] == 0 and whole[1] == logits[1].float().argmax()
 
 
