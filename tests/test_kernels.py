@@ -179,13 +179,15 @@ def test_prefill(dtype, hq, hkv, d, page, q_lens, ctx_lens):
     assert rel_err(out, expected) < TOL[dtype]
 
 
+@pytest.mark.parametrize("page", [16, 128])  # key tiles across pages, and inside one page
 @pytest.mark.parametrize("tuning", [prefill_attention.TUNING, prefill_attention.LONG_TUNING,
+                                    dict(block_m=128, block_n=32, num_warps=8, num_stages=2),
                                     dict(block_m=64, block_n=64, num_warps=4, num_stages=2)])
-def test_prefill_launch_alternatives(tuning):
+def test_prefill_launch_alternatives(tuning, page):
     """The sweep's tiles (short and long prompts' included) compute the same attention: tiles wider
     than a sequence, a diagonal inside one key tile, a prefix ending mid-tile."""
     q_lens, ctx_lens = [37, 1, 130], [37, 200, 300]
-    k_cache, v_cache, tables = paged_cache(ctx_lens, 16, 4, 64, torch.float32)
+    k_cache, v_cache, tables = paged_cache(ctx_lens, page, 4, 64, torch.float32)
     cu = i32([0] + torch.tensor(q_lens).cumsum(0).tolist())
     q = torch.randn(sum(q_lens), 8, 64, device=DEV)
     args = (cu, i32(ctx_lens), tables, max(q_lens), 0.125)
@@ -406,6 +408,7 @@ def test_decode_gpu(batch, max_ctx, page):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 256])  # the GPU's default KV block is 256 tokens
 @pytest.mark.parametrize("q_lens,ctx_lens,hq,dtype", [
     ([4096], [4096], 16, torch.bfloat16),  # long-prompt tiles (LONG_TUNING)
     ([1000, 1, 2048, 1047], [1500, 700, 2048, 3000], 16, torch.bfloat16),
@@ -413,8 +416,8 @@ def test_decode_gpu(batch, max_ctx, page):
     ([2048, 300], [2048, 3000], 16, torch.float32),  # long, but fp32 keeps the short tiles' shared memory
     ([100, 1023, 1, 517], [100, 1500, 900, 517], 16, torch.bfloat16),  # short prompts (TUNING)
 ])
-def test_prefill_gpu(q_lens, ctx_lens, hq, dtype):
-    hkv, d, page = 8, 128, 16
+def test_prefill_gpu(q_lens, ctx_lens, hq, dtype, page):
+    hkv, d = 8, 128
     k_cache, v_cache, tables = paged_cache(ctx_lens, page, hkv, d, dtype)
     cu = i32([0] + torch.tensor(q_lens).cumsum(0).tolist())
     q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=dtype)
