@@ -63,7 +63,11 @@ class LLM:
                  use_tqdm: bool = True) -> list[dict]:
         """Run prompts to completion; returns [{"text", "token_ids"}] in input order.
 
-        Every prompt is checked before any is queued: one bad prompt raises ValueError and runs nothing.
+        One bad prompt raises ValueError ("prompt i: ...") and the call leaves no request behind. With
+        a step kept in flight, prompts are checked and queued a step's worth ahead of the scheduler
+        (each group checked whole before any of it is queued), so the first step starts after ~30
+        prompts' host work, not 256 prompts' (BENCHMARKS.md). Without prefix-cache hits (which take no
+        budget) every step is the one it would be with all of them queued at once.
         """
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -72,20 +76,33 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling parameter sets")
         ids = [self._prompt_ids(p) for p in prompts]
-        for i, (tokens, sp) in enumerate(zip(ids, sampling_params, strict=True)):
-            try:
-                self.engine.validate(tokens, sp)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        seqs = [self.engine.add_request(tokens, sp, validated=True)
-                for tokens, sp in zip(ids, sampling_params, strict=True)]
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        budget = self.engine.scheduler.max_num_batched_tokens if self.engine.overlap else None
+        seqs: list = []
+        queued_tokens = steps = 0
+        pbar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         texts: dict[int, str] = {}
-        while self.engine.has_work():
+        while True:
+            if len(seqs) < len(ids):
+                # Steps 0..steps take at most (steps + 1) * budget prompt tokens: with more queued, the
+                # scheduler (which admits in order) makes the same choice as with every prompt queued.
+                stop, tokens = len(seqs), queued_tokens
+                while stop < len(ids) and (budget is None or tokens <= (steps + 1) * budget):
+                    tokens += len(ids[stop])
+                    stop += 1
+                try:
+                    seqs += self._queue(ids, sampling_params, len(seqs), stop)
+                except ValueError:
+                    self._abandon(seqs)
+                    pbar.close()
+                    raise
+                queued_tokens = tokens
+            if not self.engine.has_work():
+                break
             t = perf_counter()
             out = self.engine.step()
             dt = perf_counter() - t
+            steps += 1
             # With a step in flight the GPU is busy now: a finished request is detokenized here rather
             # than all of them after the last step, when nothing would hide the time.
             for seq in out.finished:
@@ -99,3 +116,18 @@ class LLM:
         pbar.close()
         return [{"text": texts[s.seq_id] if s.seq_id in texts else self.tokenizer.decode(s.completion_token_ids),
                  "token_ids": s.completion_token_ids} for s in seqs]
+
+    def _queue(self, ids: list[list[int]], params: list[SamplingParams], start: int, stop: int) -> list:
+        """Check prompts [start, stop), then queue them: none of them is queued if one is bad."""
+        for i in range(start, stop):
+            try:
+                self.engine.validate(ids[i], params[i])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return [self.engine.add_request(ids[i], params[i], validated=True) for i in range(start, stop)]
+
+    def _abandon(self, seqs: list) -> None:
+        """Abort the call's requests. The step in flight (the first) is collected by the engine's next
+        step, which skips aborted rows; requests queued before the call stay as they were."""
+        for seq in seqs:
+            self.engine.abort(seq.seq_id)

@@ -57,6 +57,26 @@ def test_bad_prompts_raise_and_leave_others_untouched(llm, tiny_models, prompt, 
     assert llm.generate([good], greedy, use_tqdm=False)[0]["token_ids"] == expected
 
 
+def test_bad_prompt_behind_the_first_step(tiny_models):
+    """Prompts past what the first step takes are checked while it runs: a bad one there still raises,
+    leaves none of the call's requests queued, and the engine serves the next call exactly."""
+    llm = LLM(str(tiny_models["qwen3"]), device="cpu", max_model_len=256, max_num_batched_tokens=64)
+    try:
+        assert llm.engine.overlap
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        good = [[7 + i] * 40 for i in range(3)]  # 120 tokens: the first step takes only the first two
+        with pytest.raises(ValueError, match="prompt 3: prompt token 1 is -1"):
+            llm.generate(good + [[1, -1]], greedy, use_tqdm=False)
+        assert llm.engine.step_id == 1  # the first step was sent before prompt 3 was checked
+        assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
+        outs = llm.generate(good, greedy, use_tqdm=False)
+        assert not llm.engine.has_work()
+        for prompt, out in zip(good, outs, strict=True):
+            assert out["token_ids"] == hf_greedy(tiny_models["qwen3"], prompt, 4)
+    finally:
+        llm.close()
+
+
 def test_a_tiny_positive_temperature_is_greedy(llm, tiny_models):
     # Dividing the logits by 1e-30 overflows float32: the sampler would see NaN probabilities and
     # return token 0 every step. Below 1e-5 the engine samples greedily instead.
