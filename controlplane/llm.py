@@ -127,7 +127,7 @@ class LLM:
         return [self.engine.add_request(ids[i], params[i], validated=True) for i in range(start, stop)]
 
     def _abandon(self, seqs: list) -> None:
-        """Abort the call's requests. The step in flight (the first) is collected by the engine's next
-        step, which skips aborted rows; requests queued before the call stay as they were."""
+        """Abort the call's requests. The step still in flight is collected by the engine's next step,
+        which skips aborted rows; requests queued before the call stay as they were."""
         for seq in seqs:
             self.engine.abort(seq.seq_id)
