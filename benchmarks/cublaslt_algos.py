@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import time_graph  # noqa: E402
+from gemm_chain import Case, layer_weights  # noqa: E402
 
 # cuBLAS / CUDA enum values (cublasLt.h, library_types.h).
 CUDA_R_32F, CUDA_R_16BF = 0, 14
@@ -125,39 +125,24 @@ def main() -> None:
     parser.add_argument("--workspace-mb", type=int, default=32)
     args = parser.parse_args()
     torch.manual_seed(0)
-    layers = 28
-    shapes = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-               for name, (n, k) in shapes.items()}
+    weights = layer_weights()
     lt = Lt(args.workspace_mb << 20)
     table = []
     for m in args.rows:
-        for name, (n, k) in shapes.items():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            y0 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            want = y0.float() + x.float() @ weights[name][0].float().t()
-            ref_err = (y0.clone().addmm_(x, weights[name][0].t()).float() - want).abs().max().item()
-            y = y0.clone()
-
-            def torch_fn(name=name, y=y, x=x):
-                for w in weights[name]:
-                    y.addmm_(x, w.t())
-            t_torch = time_graph(torch_fn) / layers * 1e3
+        for name, ws in weights.items():
+            case = Case(m, ws)
+            n, k = ws[0].shape
+            t_torch = case.time_cublas()
             plan, results = lt.plan(m, n, k, args.algos)
             timed = []
             for i, res in enumerate(results):
-                yt = y0.clone()
-                lt.addmm_(plan, res.algo, yt, x, weights[name][0])
+                yt = case.y0.clone()
+                lt.addmm_(plan, res.algo, yt, case.x, ws[0])
                 torch.cuda.synchronize()
-                err = (yt.float() - want).abs().max().item()
-                if err > 4 * ref_err + 1e-2:
-                    print(f"WRONG {name} m={m} #{i}: {err:.3g} vs torch {ref_err:.3g}", flush=True)
+                if case.wrong(yt):
+                    print(f"WRONG {name} m={m} #{i}: {case.error(yt):.3g} vs torch {case.ref_err:.3g}", flush=True)
                     continue
-
-                def lt_fn(name=name, y=y, x=x, res=res, plan=plan):
-                    for w in weights[name]:
-                        lt.addmm_(plan, res.algo, y, x, w)
-                t = time_graph(lt_fn) / layers * 1e3
+                t = case.time(lambda y, x, w, layer, algo=res.algo, plan=plan: lt.addmm_(plan, algo, y, x, w))
                 timed.append((t, i, lt.config(res.algo), res.workspace_size))
                 print(f"m={m} {name} #{i}: {t:.2f} us  ws {res.workspace_size >> 10} KiB  {timed[-1][2]}", flush=True)
             timed.sort()

@@ -20,9 +20,37 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from timing import time_graph  # noqa: E402
+from gemm_chain import Case, layer_weights  # noqa: E402
 
 from kernels.pdl import pdl_args, pdl_prologue  # noqa: E402
+
+
+@triton.jit
+def add_tile(acc, y_ptr, ws_ptr, lock_ptr, rm, rn, M, stride_ym, pid_m, pid_n, pid_k, SPLIT_K: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[rm, rn] += acc: at once without a split, else through the workspace, where the last split
+    of the tile to arrive adds the fp32 partials in split order and the residual (deterministic)."""
+    m_mask = rm < M
+    y_off = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+    if SPLIT_K == 1:
+        acc += tl.load(y_ptr + y_off, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None])
+    else:
+        tile = pid_m * tl.num_programs(1) + pid_n
+        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        partials = ws_ptr + tile.to(tl.int64) * (SPLIT_K * tile_elems)
+        tl.store(partials + pid_k * tile_elems + offs, acc)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(y_ptr + y_off, mask=m_mask[:, None], other=0.0).to(tl.float32)
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(0, SPLIT_K):
+                part += tl.load(partials + s * tile_elems + offs, cache_modifier=".cg")
+            total += part
+            tl.store(y_ptr + y_off, total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None])
+            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -54,29 +82,17 @@ def splitk_kernel(x_ptr, w_ptr, y_ptr, ws_ptr, lock_ptr, M, N, stride_xm, stride
         x = tl.load(x_rows + (k0 + rk)[None, :], mask=m_mask[:, None], other=0.0)
         w = tl.load(w_rows + (k0 + rk)[None, :])
         acc = tl.dot(x, tl.trans(w), acc)
-    y_off = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    if SPLIT_K == 1:
-        acc += tl.load(y_ptr + y_off, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None])
-    else:
-        tile = pid_m * tl.num_programs(1) + pid_n
-        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        partials = ws_ptr + tile.to(tl.int64) * (SPLIT_K * tile_elems)
-        tl.store(partials + pid_k * tile_elems + offs, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.load(y_ptr + y_off, mask=m_mask[:, None], other=0.0).to(tl.float32)
-            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(0, SPLIT_K):
-                part += tl.load(partials + s * tile_elems + offs, cache_modifier=".cg")
-            total += part
-            tl.store(y_ptr + y_off, total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None])
-            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
+    add_tile(acc, y_ptr, ws_ptr, lock_ptr, rm, rn, M, stride_ym, pid_m, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
+
+WS: dict[str, torch.Tensor] = {}
 
 
-WS = {}
+def workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partials, tile counters): allocated once, the counters zero between launches."""
+    if "lock" not in WS:
+        WS["lock"] = torch.zeros(8192, dtype=torch.int32, device=device)
+        WS["ws"] = torch.empty(64 << 20, dtype=torch.float32, device=device)
+    return WS["ws"], WS["lock"]
 
 
 def splitk_addmm_(y, x, w, bm, bn, bk, split, warps, stages, w_first, pdl=True):
@@ -84,13 +100,11 @@ def splitk_addmm_(y, x, w, bm, bn, bk, split, warps, stages, w_first, pdl=True):
     n = w.shape[0]
     k_split = k // split
     tiles = triton.cdiv(m, bm) * (n // bn)
-    if "lock" not in WS:
-        WS["lock"] = torch.zeros(8192, dtype=torch.int32, device=x.device)
-        WS["ws"] = torch.empty(64 << 20, dtype=torch.float32, device=x.device)
-    assert tiles * split * bm * bn <= WS["ws"].numel()
+    ws, lock = workspace(x.device)
+    assert tiles * split * bm * bn <= ws.numel()
     args = pdl_args(x.device) if pdl else {"USE_PDL": False}
     splitk_kernel[(split, n // bn, triton.cdiv(m, bm))](
-        x, w, y, WS["ws"], WS["lock"], m, n, x.stride(0), w.stride(0), y.stride(0),
+        x, w, y, ws, lock, m, n, x.stride(0), w.stride(0), y.stride(0),
         K=k, K_SPLIT=k_split, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
         W_FIRST=w_first, num_warps=warps, num_stages=stages, **args)
     return y
@@ -98,11 +112,7 @@ def splitk_addmm_(y, x, w, bm, bn, bk, split, warps, stages, w_first, pdl=True):
 
 def main():
     torch.manual_seed(0)
-    dev = "cuda"
-    layers = 28
-    shapes = {"o_proj": (1024, 2048), "down": (1024, 3072)}
-    weights = {name: [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-               for name, (n, k) in shapes.items()}
+    weights = layer_weights(("o_proj", "down"))
     configs = []
     for bm, bn, split, bk in itertools.product((64, 128), (32, 64, 128), (1, 2, 4, 8), (64, 128)):
         if bm == 128 and bn == 128:
@@ -111,58 +121,35 @@ def main():
         configs.append((bm, bn, bk, split, warps, 4, False))
     rows_out = []
     for m in (128, 256):
-        for name, (n, k) in shapes.items():
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            y0 = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
-            want = (y0.float() + x.float() @ weights[name][0].float().t())
-            # cuBLAS's own rounding error sets the bar each tiling is held to.
-            ref_err = (y0.clone().addmm_(x, weights[name][0].t()).float() - want).abs().max().item()
-            y = y0.clone()
-
-            def cublas(name=name, y=y, x=x):
-                for w in weights[name]:
-                    y.addmm_(x, w.t())
-            t_cublas = time_graph(cublas)
+        for name, ws in weights.items():
+            case = Case(m, ws)
+            k = case.x.shape[1]
+            t_cublas = case.time_cublas()
             results = []
             for cfg in configs:
-                bm, bn, bk, split, warps, stages, wf = cfg
-                if k % (split * bk):
+                if k % (cfg[3] * cfg[2]):
                     continue
-                yt = y0.clone()
-                splitk_addmm_(yt, x, weights[name][0], *cfg)
-                err = (yt.float() - want).abs().max().item()
-                if err > 4 * ref_err + 1e-2:
-                    print(f"WRONG {name} m={m} {cfg}: {err} vs cuBLAS {ref_err}", flush=True)
+                yt = case.y0.clone()
+                splitk_addmm_(yt, case.x, ws[0], *cfg)
+                if case.wrong(yt):
+                    print(f"WRONG {name} m={m} {cfg}: {case.error(yt)} vs cuBLAS {case.ref_err}", flush=True)
                     continue
-
-                def tri(cfg=cfg, name=name, y=y, x=x):
-                    for w in weights[name]:
-                        splitk_addmm_(y, x, w, *cfg)
-                results.append((time_graph(tri), cfg))
+                results.append((case.time(lambda y, x, w, i, cfg=cfg: splitk_addmm_(y, x, w, *cfg)), cfg))
             results.sort()
             best = results[:3]
             # The best config again with PDL off: the run's o_proj and down sit between cuBLAS calls.
             cfg = best[0][1]
-
-            def tri_nopdl(cfg=cfg, name=name, y=y, x=x):
-                for w in weights[name]:
-                    splitk_addmm_(y, x, w, *cfg, pdl=False)
-            t_nopdl = time_graph(tri_nopdl)
+            t_nopdl = case.time(lambda y, x, w, i, cfg=cfg: splitk_addmm_(y, x, w, *cfg, pdl=False))
             wcfg = cfg[:-1] + (True,)
-
-            def tri_wfirst(cfg=wcfg, name=name, y=y, x=x):
-                for w in weights[name]:
-                    splitk_addmm_(y, x, w, *cfg)
-            t_wfirst = time_graph(tri_wfirst)
-            rows_out.append(f"| {m} | {name} | {t_cublas / layers * 1e3:.2f} | "
-                            + " / ".join(f"{t / layers * 1e3:.2f} {c[:5]}" for t, c in best)
-                            + f" | {t_nopdl / layers * 1e3:.2f} | {t_wfirst / layers * 1e3:.2f} |")
+            t_wfirst = case.time(lambda y, x, w, i, cfg=wcfg: splitk_addmm_(y, x, w, *cfg))
+            rows_out.append(f"| {m} | {name} | {t_cublas:.2f} | "
+                            + " / ".join(f"{t:.2f} {c[:5]}" for t, c in best)
+                            + f" | {t_nopdl:.2f} | {t_wfirst:.2f} |")
             print(rows_out[-1], flush=True)
     print("| rows | layer | cuBLAS addmm_ us | best split-K us (bm, bn, bk, split, warps) | best, PDL off "
           "| best, weight tile before the wait |")
     print("| --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows_out))
-
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from timing import time_graph  # noqa: E402
+from gemm_chain import Case, layer_weights  # noqa: E402
+from splitk_gemm import add_tile, workspace  # noqa: E402
 
 from kernels.pdl import pdl_args, pdl_prologue  # noqa: E402
 
@@ -54,41 +55,17 @@ def tma_gemm_kernel(x_desc, w_desc, y_ptr, ws_ptr, lock_ptr, M, N, stride_ym, K_
         x = x_desc.load([off_m, k0])
         w = w_desc.load([off_n, k0])
         acc = tl.dot(x, w.T, acc)
-    rm = off_m + tl.arange(0, BLOCK_M)
-    rn = off_n + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    y_off = rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    if SPLIT_K == 1:
-        acc += tl.load(y_ptr + y_off, mask=m_mask[:, None], other=0.0).to(tl.float32)
-        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None])
-    else:
-        tile = pid_m * tl.num_programs(1) + pid_n
-        tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        partials = ws_ptr + tile.to(tl.int64) * (SPLIT_K * tile_elems)
-        tl.store(partials + pid_k * tile_elems + offs, acc)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.load(y_ptr + y_off, mask=m_mask[:, None], other=0.0).to(tl.float32)
-            for s in tl.static_range(0, SPLIT_K):
-                total += tl.load(partials + s * tile_elems + offs, cache_modifier=".cg")
-            tl.store(y_ptr + y_off, total.to(y_ptr.dtype.element_ty), mask=m_mask[:, None])
-            tl.atomic_xchg(lock_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-WS: dict[str, torch.Tensor] = {}
+    add_tile(acc, y_ptr, ws_ptr, lock_ptr, off_m + tl.arange(0, BLOCK_M), off_n + tl.arange(0, BLOCK_N), M, stride_ym,
+             pid_m, pid_n, pid_k, SPLIT_K, BLOCK_M, BLOCK_N)
 
 
 def tma_addmm_(y, x, w, bm, bn, bk, split, warps, stages, w_first, descs=None):
     m, k = x.shape
     n = w.shape[0]
-    if "lock" not in WS:
-        WS["lock"] = torch.zeros(8192, dtype=torch.int32, device=x.device)
-        WS["ws"] = torch.empty(64 << 20, dtype=torch.float32, device=x.device)
+    ws, lock = workspace(x.device)
     x_desc, w_desc = descs or (TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]))
     tma_gemm_kernel[(split, n // bn, triton.cdiv(m, bm))](
-        x_desc, w_desc, y, WS["ws"], WS["lock"], m, n, y.stride(0),
+        x_desc, w_desc, y, ws, lock, m, n, y.stride(0),
         K_SPLIT=k // split, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages, W_FIRST=w_first,
         num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y
@@ -99,64 +76,47 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 256])
     args = parser.parse_args()
     torch.manual_seed(0)
-    layers = 28
-    shapes = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
-    weights = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-               for name, (n, k) in shapes.items()}
+    weights = layer_weights()
     configs = []
     for bm, bn, bk, split, stages in itertools.product((64, 128), (64, 128, 256), (64, 128), (1, 2, 4), (3, 4)):
         if (bm + bn) * bk * 2 * stages > 200 * 1024 or (bm == 128 and bn == 256):
             continue
         configs.append((bm, bn, bk, split, 4 if bm == 64 else 8, stages, False))
+
+    def timed(case: Case, cfg: tuple) -> float:
+        x_desc = TensorDescriptor.from_tensor(case.x, [cfg[0], cfg[2]])
+        descs = [(x_desc, TensorDescriptor.from_tensor(w, [cfg[1], cfg[2]])) for w in case.weights]
+        return case.time(lambda y, x, w, i: tma_addmm_(y, x, w, *cfg, descs=descs[i]))
+
     table = []
     for m in args.rows:
-        for name, (n, k) in shapes.items():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            y0 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            want = y0.float() + x.float() @ weights[name][0].float().t()
-            ref_err = (y0.clone().addmm_(x, weights[name][0].t()).float() - want).abs().max().item()
-            y = y0.clone()
-
-            def cublas(name=name, y=y, x=x):
-                for w in weights[name]:
-                    y.addmm_(x, w.t())
-            t_cublas = time_graph(cublas) / layers * 1e3
+        for name, ws in weights.items():
+            case = Case(m, ws)
+            n, k = ws[0].shape
+            t_cublas = case.time_cublas()
             results = []
             for cfg in configs:
                 bm, bn, bk, split, warps, stages, wf = cfg
                 if k % (split * bk) or n % bn or (k // split) // bk < 2:
                     continue
                 try:
-                    yt = y0.clone()
-                    tma_addmm_(yt, x, weights[name][0], *cfg)
+                    yt = case.y0.clone()
+                    tma_addmm_(yt, case.x, ws[0], *cfg)
                     torch.cuda.synchronize()
                 except Exception as e:  # a tile that does not fit must not end the sweep
                     print(f"{name} m={m} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
-                err = (yt.float() - want).abs().max().item()
-                if err > 4 * ref_err + 1e-2:
-                    print(f"WRONG {name} m={m} {cfg}: {err:.3g} vs cuBLAS {ref_err:.3g}", flush=True)
+                if case.wrong(yt):
+                    print(f"WRONG {name} m={m} {cfg}: {case.error(yt):.3g} vs cuBLAS {case.ref_err:.3g}", flush=True)
                     continue
-                descs = [(TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]))
-                         for w in weights[name]]
-
-                def tri(cfg=cfg, name=name, y=y, x=x, descs=descs):
-                    for w, d in zip(weights[name], descs, strict=True):
-                        tma_addmm_(y, x, w, *cfg, descs=d)
-                results.append((time_graph(tri) / layers * 1e3, cfg))
+                results.append((timed(case, cfg), cfg))
             results.sort()
             best = results[0] if results else (float("nan"), None)
             wf_time = float("nan")
             if best[1] is not None:  # the best tiling with its first weight tile fetched before the wait
                 cfg = best[1][:-1] + (True,)
-                descs = [(TensorDescriptor.from_tensor(x, [cfg[0], cfg[2]]),
-                          TensorDescriptor.from_tensor(w, [cfg[1], cfg[2]])) for w in weights[name]]
-
-                def tri_wf(cfg=cfg, name=name, y=y, x=x, descs=descs):
-                    for w, d in zip(weights[name], descs, strict=True):
-                        tma_addmm_(y, x, w, *cfg, descs=d)
                 try:
-                    wf_time = time_graph(tri_wf) / layers * 1e3
+                    wf_time = timed(case, cfg)
                 except Exception as e:  # the early tile can take the shared memory over the limit
                     print(f"{name} m={m} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
             table.append(f"| {m} | {name} | {t_cublas:.2f} | " + " / ".join(f"{t:.2f} {c[:6]}" for t, c in results[:3])
