@@ -3,14 +3,20 @@
 The benchmark itself needs a GPU; here fake benchmarks print tables in throughput.py's format.
 """
 
+import importlib.util
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import alternate  # noqa: E402
+# Loaded from its file: benchmarks/ on sys.path would shadow the `kernels` package with
+# benchmarks/kernels.py for every test collected after this one.
+_SPEC = importlib.util.spec_from_file_location(
+    "alternate", Path(__file__).resolve().parent.parent / "benchmarks" / "alternate.py")
+alternate = importlib.util.module_from_spec(_SPEC)
+sys.modules["alternate"] = alternate  # dataclasses look their module up by name
+_SPEC.loader.exec_module(alternate)
 
 # Rows as throughput.py printed them on an H200 (8b99584).
 EMBEDDED = """\
