@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -73,11 +74,20 @@ def parse_output(variant: str, text: str) -> Run:
     return Run(variant, tok_s, {name: float(s) for name, s in BUCKET.findall(text)})
 
 
-def run_once(variant: Variant, extra: list[str], log: Path, script: str) -> Run:
+def run_once(variant: Variant, extra: list[str], log: Path, script: str, timeout: float) -> Run:
+    """One run; a run past `timeout` seconds is killed and counts as failed (the others still run)."""
     env = {**os.environ, **variant.env}
     with open(log, "w") as out:
-        subprocess.run([sys.executable, script, *extra], cwd=variant.tree, env=env, stdout=out,
-                       stderr=subprocess.STDOUT, check=False)
+        # A session of its own: a service-mode run's server and ranks go with it when it is killed.
+        proc = subprocess.Popen([sys.executable, script, *extra], cwd=variant.tree, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            out.write(f"\nalternate.py: killed after {timeout:g} s\n")
+            return Run(variant.name, None, {})
     return parse_output(variant.name, log.read_text())
 
 
@@ -111,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, taken in turns")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/nanoplane-alternate"), help="logs")
     parser.add_argument("--script", default=SCRIPT, help="the benchmark, relative to each tree")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a run may take before it is killed")
     args = parser.parse_args(ours)
     try:
         variants = [Variant.parse(spec) for spec in args.variant]
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     order = [(i, v) for i in range(args.rounds) for v in variants]
     for i, v in (bar := tqdm(order, desc="runs", unit="run")):
-        run = run_once(v, extra, out / f"{v.name}-{i + 1}.txt", args.script)
+        run = run_once(v, extra, out / f"{v.name}-{i + 1}.txt", args.script, args.timeout)
         runs.append(run)
         bar.write(f"{v.name} round {i + 1}: " + (f"{run.tok_s:,.0f} tok/s" if run.tok_s is not None
                                                   else f"no result, see {out / f'{v.name}-{i + 1}.txt'}"))

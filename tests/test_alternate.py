@@ -83,15 +83,19 @@ def test_runs_variants_in_turns_and_compares_their_means(tmp_path, capsys):
 def test_environment_variants_and_a_failed_run(tmp_path, capsys):
     script = tmp_path / "bench.py"
     script.write_text(textwrap.dedent("""\
-        import os, sys
+        import os, sys, time
         if os.environ.get("FAIL"):
             sys.exit("boom")
+        if os.environ.get("HANG"):
+            time.sleep(60)
         print("| embedded x | 1 | 1.0 | " + os.environ.get("TOKS", "500") + " | 2 |")
     """))
     alternate.main(["--variant", "base:", "--variant", "more:TOKS=600", "--variant", "bad:FAIL=1",
-                    "--rounds", "1", "--out", str(tmp_path / "logs"), "--script", str(script)])
+                    "--variant", "hung:HANG=1", "--rounds", "1", "--out", str(tmp_path / "logs"),
+                    "--script", str(script), "--timeout", "3"])
     printed = capsys.readouterr().out
-    assert "| bad | failed |\n" in printed
+    assert "| bad | failed |\n" in printed and "| hung | failed |\n" in printed
+    assert "killed after 3 s" in (tmp_path / "logs" / "hung-1.txt").read_text()
     assert "more: mean 600 tok/s over 1 runs, +20.00% against base" in printed
     assert "boom" in (tmp_path / "logs" / "bad-1.txt").read_text()
 
