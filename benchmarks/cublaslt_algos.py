@@ -136,13 +136,11 @@ def main() -> None:
             plan, results = lt.plan(m, n, k, args.algos)
             timed = []
             for i, res in enumerate(results):
-                yt = case.y0.clone()
-                lt.addmm_(plan, res.algo, yt, case.x, ws[0])
-                torch.cuda.synchronize()
-                if case.wrong(yt):
-                    print(f"WRONG {name} m={m} #{i}: {case.error(yt):.3g} vs torch {case.ref_err:.3g}", flush=True)
+                def addmm_(y, x, w, layer, algo=res.algo, plan=plan):
+                    lt.addmm_(plan, algo, y, x, w)
+                if not case.checks(addmm_, f"{name} m={m} #{i}"):
                     continue
-                t = case.time(lambda y, x, w, layer, algo=res.algo, plan=plan: lt.addmm_(plan, algo, y, x, w))
+                t = case.time(addmm_)
                 timed.append((t, i, lt.config(res.algo), res.workspace_size))
                 print(f"m={m} {name} #{i}: {t:.2f} us  ws {res.workspace_size >> 10} KiB  {timed[-1][2]}", flush=True)
             timed.sort()

@@ -39,6 +39,17 @@ class Case:
         """Whether y (y0 plus one call on the first layer's weight) is off by more than cuBLAS's error allows."""
         return self.error(y) > 4 * self.ref_err + 1e-2
 
+    def checks(self, addmm_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], object], label: str) -> bool:
+        """Whether one call of `addmm_(y, x, weight, layer)` on the first layer gives y0 + x @ w^T within
+        cuBLAS's error; prints the candidate's `label` and its error where it does not."""
+        y = self.y0.clone()
+        addmm_(y, self.x, self.weights[0], 0)
+        torch.cuda.synchronize()
+        if self.wrong(y):
+            print(f"WRONG {label}: {self.error(y):.3g} vs cuBLAS {self.ref_err:.3g}", flush=True)
+            return False
+        return True
+
     def time(self, addmm_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], object]) -> float:
         """µs a call of `addmm_(y, x, weight, layer)` over the chain of LAYERS calls."""
         def chain():
