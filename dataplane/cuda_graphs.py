@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dataplane import graph_pdl
 from dataplane.uploader import Uploader
 from models.context import AttentionContext, reset_context, set_context
 
@@ -70,6 +71,11 @@ class DecodeGraphs:
         self.greedy_tails: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_tails: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # per bucket: logits (with_head) or hidden states
+        # cuBLAS kernels found to wait under PDL (dataplane/graph_pdl.py): the edges into them become
+        # programmatic, so each GEMM's grid launches while the kernel before it drains.
+        self.waiting = (graph_pdl.waiting_kernels(model, self.sizes, dtype, device)
+                        if graph_pdl.enabled(device) else set())
+        self.programmatic_edges = 0
         self._capture(sample)
 
     def _inputs(self, bs: int) -> tuple[torch.Tensor, ...]:
@@ -129,9 +135,12 @@ class DecodeGraphs:
     def _record(self, fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
         """Capture `fn` into a graph sharing `pool`: (graph, fn's output, the pool). Tests on a CPU
         replace this with a replay that calls `fn` again."""
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=bool(self.waiting))
         with torch.cuda.graph(graph, pool):
             out = fn()
+        if self.waiting:
+            self.programmatic_edges += len(graph_pdl.rewire(graph.raw_cuda_graph(), self.waiting.__contains__))
+            graph.instantiate()
         return graph, out, graph.pool()
 
     def _pack(self, bs: int, rows64: list[np.ndarray | None], context_lens: np.ndarray,
