@@ -1,6 +1,6 @@
-"""Programmatic edges into cuBLAS kernels (dataplane/graph_pdl.py): which edges are rewired (CPU), and
-on a GPU that the wait check catches a kernel that does not wait, passes cuBLAS's GEMMs, and that the
-rewired decode graphs give the tokens of plain ones."""
+"""Programmatic edges into cuBLAS kernels (dataplane/graph_pdl.py): which edges are rewired (CPU); on a
+GPU, that the check catches a kernel touching memory before its wait and passes cuBLAS's GEMMs, and
+that the rewired decode graphs give the tokens of plain ones."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from dataplane.graph_pdl import Edge, full_kernel_edges
+from kernels.pdl import gdc_wait
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,25 +35,74 @@ def _pdl_device() -> torch.device:
     return torch.device("cuda", 0)
 
 
+@triton.jit
+def _reads_before_wait(x_ptr, o_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    gdc_wait()
+    tl.store(o_ptr + offs, x * 2, mask=offs < n)
+
+
+@triton.jit
+def _writes_before_wait(x_ptr, o_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.zeros([BLOCK], tl.float32).to(y_ptr.dtype.element_ty), mask=offs < n)
+    gdc_wait()
+    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+@triton.jit
+def _waits_first(x_ptr, o_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.zeros([BLOCK], tl.float32).to(y_ptr.dtype.element_ty), mask=offs < n)
+    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def _launch(kernel):
+    """gemm(x, y) for the check: `kernel` doubles x into a new tensor (and may clear y), launched plainly,
+    so the check's rewiring is what makes its edge programmatic."""
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        kernel[(triton.cdiv(x.numel(), 1024),)](x, out, y, x.numel(), BLOCK=1024)
+        return out
+    return run
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("rows", [1, 128, 256])
-def test_check_catches_a_kernel_that_does_not_wait(rows):
-    """torch's elementwise kernels have no griddepcontrol.wait: started early they read the stale input."""
+@pytest.mark.parametrize("rows", [1, 128])
+@pytest.mark.parametrize("kernel,waits", [(_reads_before_wait, False), (_writes_before_wait, False),
+                                          (_waits_first, True)])
+def test_check_catches_a_kernel_that_touches_memory_before_its_wait(kernel, waits, rows):
+    """Started early, a kernel that reads its input before its wait doubles the stale (zeroed) input, and
+    one that writes before its wait clears a buffer the producer has yet to read: the check must fail
+    both, and pass the same kernel with the wait first."""
     from dataplane.graph_pdl import check
 
-    entered, good = check(lambda x, y: x * 2, rows, 1024, 1024, torch.bfloat16, _pdl_device())
-    assert entered and not good
+    entered, good = check(_launch(kernel), rows, 1024, 1024, torch.bfloat16, _pdl_device())
+    assert entered == {kernel.fn.__name__} and good == waits
 
+
+@pytest.mark.gpu
+@gpu
+def test_a_kernel_without_a_wait_is_not_started_early():
+    """What the H200's driver does with a programmatic edge into a kernel that has no griddepcontrol.wait
+    at all (a torch elementwise kernel): it runs after its predecessor, as on a full edge. So a library
+    kernel without the wait passes the check, and rewiring an edge into it changes nothing."""
+    from dataplane.graph_pdl import check
+
+    entered, good = check(lambda x, y: x * 2, 128, 1024, 1024, torch.bfloat16, _pdl_device())
+    assert entered and good
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("rows", [80, 128, 256])
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (151936, 1024)])
-def test_cublas_gemms_wait(rows, n, k):
-    """The GEMMs a Qwen3-0.6B decode step runs above 64 rows wait for their predecessor under PDL, as a
-    new tensor and added into one (the projections folded into the residual)."""
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (6144, 1024)])
+def test_cublas_gemms_pass_the_check(rows, n, k):
+    """The GEMMs a Qwen3-0.6B decode step runs above 64 rows, as a new tensor and added into one (the
+    projections folded into the residual), pass the check on an edge the check rewired."""
     from dataplane.graph_pdl import check
 
     device = _pdl_device()
@@ -58,7 +110,6 @@ def test_cublas_gemms_wait(rows, n, k):
     for gemm in (lambda x, y: F.linear(x, w), lambda x, y: y.addmm_(x, w.t())):
         entered, good = check(gemm, rows, k, n, torch.bfloat16, device)
         assert entered and good, entered
-
 
 
 @pytest.mark.gpu
