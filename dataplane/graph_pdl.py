@@ -4,19 +4,19 @@ Our Triton kernels take part in programmatic dependent launch (kernels/pdl.py): 
 with the PDL attribute, so in a captured graph the edge into it is programmatic and its grid is
 launched while its predecessor drains. torch launches cuBLAS without that attribute, so every edge
 into a GEMM is a full one: above 64 rows a decode layer's four GEMMs each wait for the previous
-kernel to retire before their grid is even launched. A kernel that executes `griddepcontrol.wait`
-before it touches memory is as safe to start early as ours; the GEMMs cuBLAS picks on an H200
-(`nvjet_*`) behave so, and starting them early took 2.6% off the bench's run (BENCHMARKS.md).
+kernel to retire before their grid is even launched. Programmatic edges into them took 1.9-2.6%
+off the bench's run.
 
-What a kernel does before its wait is a fact of the library build, so it is measured, not
-assumed: before the decode graphs are captured, `waiting_kernels` runs each GEMM the graphs will run
-(each weight shape at each batch size, through the calls the model makes) behind a slow producer
-that lets its dependents launch at once and only then writes the GEMM's input and reads the buffer
-the GEMM writes. The edge between them is made programmatic; a kernel that reads before its wait
-gets the stale input, one that writes before it disturbs the producer's read, and either is never
-trusted. `rewire` then turns full edges into kernels that passed, in each graph captured with
-`keep_graph=True`, before it is instantiated. On the H200 a kernel with no wait at all (a torch
-elementwise kernel) is not started early on such an edge, and passes (tests/test_graph_pdl.py).
+Two things keep a rewired edge from handing a GEMM unfinished data. Measured on the H200
+(tests/test_graph_pdl.py): a kernel launched without the PDL attribute whose edge was made
+programmatic afterwards is not run ahead of its producer, not even one that reads before its
+`griddepcontrol.wait`. The gain (~1 µs an edge; BENCHMARKS.md, twenty-first session) is then most
+likely the grid's launch, done while the producer still runs. And in case a driver did run such
+kernels early, `waiting_kernels` checks every GEMM the graphs will run (each weight shape at each
+batch size, through the calls the model makes) behind a slow producer that lets dependents launch
+at once and only then writes the GEMM's input and reads the buffer the GEMM writes: a kernel that
+read its input, or wrote, too early gives a wrong result, and only kernels that passed are rewired.
+`rewire` changes each graph, captured with `keep_graph=True`, before it is instantiated.
 `NANOPLANE_GRAPH_PDL=0` turns it off; it is off wherever PDL is (kernels/pdl.py).
 """
 
