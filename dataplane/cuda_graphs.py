@@ -71,8 +71,8 @@ class DecodeGraphs:
         self.greedy_tails: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_tails: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # per bucket: logits (with_head) or hidden states
-        # cuBLAS kernels found to wait under PDL (dataplane/graph_pdl.py): the edges into them become
-        # programmatic, so each GEMM's grid launches while the kernel before it drains.
+        # cuBLAS kernels that passed graph_pdl's check: the edges into them become programmatic, so each
+        # GEMM's grid launches while the kernel before it drains.
         self.waiting = (graph_pdl.waiting_kernels(model, self.sizes, dtype, device)
                         if graph_pdl.enabled(device) else set())
         self.programmatic_edges = 0

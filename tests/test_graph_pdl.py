@@ -29,6 +29,38 @@ def test_only_full_edges_between_kernels_into_accepted_kernels_are_chosen():
     assert [(e.src, e.dst) for e in chosen] == [(1, 2), (3, 4)]
 
 
+def test_decode_gemms_are_every_projection_and_the_head_through_the_models_calls():
+    """The check runs each library GEMM a decode graph may run: one per weight shape and call (a new
+    tensor, or added into the residual by the row-parallel projections), the LM head included."""
+    from transformers import Qwen3Config
+
+    from dataplane.graph_pdl import decode_gemms
+    from models.qwen3 import Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         tie_word_embeddings=True)  # one (300, 64) weight: the head is the embedding
+    model = Qwen3ForCausalLM(config)
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    gemms = decode_gemms(model)
+    # qkv, o_proj (new and added), gate_up, down (new and added), the head: layer 2 repeats layer 1's shapes
+    assert sorted((k, n) for _, k, n in gemms) == sorted([(64, 128), (64, 64), (64, 64), (64, 192), (96, 64),
+                                                        (96, 64), (64, 300)])
+    weights = {tuple(p.shape[::-1]) for p in model.parameters() if p.dim() == 2}
+    added = 0
+    for gemm, k, n in gemms:
+        assert (k, n) in weights
+        x, y = torch.randn(3, k), torch.randn(3, n)
+        y0 = y.clone()
+        out = gemm(x, y)
+        w = next(p for p in model.parameters() if tuple(p.shape) == (n, k))
+        added += out is y
+        base = y0 if out is y else torch.zeros_like(y0)
+        torch.testing.assert_close(out, base + x @ w.t(), rtol=1e-5, atol=1e-5)
+    assert added == 2  # o_proj and down_proj into the residual
+
+
 def _pdl_device() -> torch.device:
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9 or later")
