@@ -1,6 +1,7 @@
-"""Programmatic edges into cuBLAS kernels (dataplane/graph_pdl.py): which edges are rewired (CPU); on a
-GPU, that the check catches a kernel touching memory before its wait and passes cuBLAS's GEMMs, and
-that the rewired decode graphs give the tokens of plain ones."""
+"""Programmatic edges into cuBLAS kernels (dataplane/graph_pdl.py): which edges are rewired and which GEMMs
+are checked (CPU); on a GPU, that a plainly launched kernel is not run ahead of its producer on a
+rewired edge, that the check fails kernels started early that touch memory before their wait and
+passes cuBLAS's GEMMs, and that the rewired decode graphs give the tokens of plain ones."""
 
 from __future__ import annotations
 
