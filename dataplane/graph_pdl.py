@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 _NODE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _EDGE_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
 _PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: the upstream kernel's trigger
-# Iterations of the producer's dependent multiply-add chain: tens of microseconds, several times
-# any GEMM's launch, so a GEMM that does not wait has long finished on the stale input.
+# Iterations of the producer's dependent multiply-add chain: at a few cycles each some tens of
+# microseconds (estimated, not timed), several times a GEMM's run, so a GEMM that read too early
+# has long finished on the stale input.
 _SPIN = 25_000
 
 
