@@ -110,8 +110,8 @@ def _launch(kernel, pdl: bool = False):
 def test_a_plainly_launched_kernel_is_not_run_ahead_of_its_producer_on_a_rewired_edge(kernel, rows):
     """What makes rewiring safe whatever a library kernel does: on the H200, a kernel launched without
     the PDL attribute whose edge was made programmatic afterwards does not run ahead of its producer,
-    even one that reads, or writes, before its wait. (It is the rewired edges' speed-up that says their
-    grids are launched early: BENCHMARKS.md, twenty-first session.) A driver that did run it ahead
+    even one that reads, or writes, before its wait. (The rewired edges' speed-up suggests their
+    grids are still launched early: BENCHMARKS.md, twenty-first session.) A driver that did run it ahead
     would fail this test, and the check would keep such kernels off the rewired list."""
     from dataplane.graph_pdl import check
 
