@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from gemm_chain import LAYERS, SHAPES  # noqa: E402
+from gemm_chain import LAYERS, SHAPES, layer_weights  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 from dataplane.graph_pdl import check, rewire  # noqa: E402
@@ -49,7 +49,7 @@ def checks(rows: list[int]) -> list[str]:
 
 def chain_timing(rows: list[int]) -> list[str]:
     n, k = SHAPES["down"]
-    weights = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02 for _ in range(LAYERS)]
+    weights = layer_weights(("down",))["down"]
     lines = []
     for m in rows:
         gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=DTYPE)

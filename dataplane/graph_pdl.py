@@ -237,9 +237,10 @@ def waiting_kernels(model: torch.nn.Module, batch_sizes: list[int], dtype: torch
     lacks the graph-edge API."""
     passed: set[str] = set()
     failed: set[str] = set()
+    gemms = decode_gemms(model)
     try:
         for rows in batch_sizes:
-            for gemm, k, n in decode_gemms(model):
+            for gemm, k, n in gemms:
                 entered, good = check(gemm, rows, k, n, dtype, device)
                 (passed if good else failed).update(entered)
     except (OSError, RuntimeError) as exc:  # no libcuda.so.1, or a driver before CUDA 12.3's edge data
