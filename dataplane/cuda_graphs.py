@@ -14,19 +14,26 @@ has a fixed shape (BENCHMARKS.md, step anatomy):
 Inputs land in static buffers with one host-to-device copy per dtype, laid out per bucket so that
 each copy is contiguous. Padding rows read the token buffer's spare row, write the spare column,
 store no KV (slot -1) and attend to nothing (context length 0).
+
+The edges into cuBLAS's GEMMs stay full ones. Made programmatic after capture, they would let each
+GEMM's grid launch while its producer drains (1.9-2.6% faster), but cuBLAS's kernels then read their
+input before it is written: they do not wait (benchmarks/graph_edges.py; BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from dataplane import graph_pdl
 from dataplane.uploader import Uploader
 from models.context import AttentionContext, reset_context, set_context
+
+log = logging.getLogger(__name__)
 
 # int64 rows of a bucket's static input block: token-buffer row, position, KV slot, position the
 # sampled token is written to, sampler key, sampler offset.
@@ -71,12 +78,11 @@ class DecodeGraphs:
         self.greedy_tails: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_tails: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # per bucket: logits (with_head) or hidden states
-        # cuBLAS kernels that passed graph_pdl's check: the edges into them become programmatic, so each
-        # GEMM's grid launches while the kernel before it drains.
-        self.waiting = (graph_pdl.waiting_kernels(model, self.sizes, dtype, device)
-                        if graph_pdl.enabled(device) else set())
-        self.programmatic_edges = 0
+        began = time.perf_counter()
         self._capture(sample)
+        if self.i64.is_cuda:
+            log.info("captured decode graphs for %d batch sizes in %.1f s", len(self.sizes),
+                     time.perf_counter() - began)
 
     def _inputs(self, bs: int) -> tuple[torch.Tensor, ...]:
         """Views of the static buffers as bucket `bs` lays them out (each dtype's block contiguous)."""
@@ -135,12 +141,9 @@ class DecodeGraphs:
     def _record(self, fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object, object]:
         """Capture `fn` into a graph sharing `pool`: (graph, fn's output, the pool). Tests on a CPU
         replace this with a replay that calls `fn` again."""
-        graph = torch.cuda.CUDAGraph(keep_graph=bool(self.waiting))
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool):
             out = fn()
-        if self.waiting:
-            self.programmatic_edges += len(graph_pdl.rewire(graph.raw_cuda_graph(), self.waiting.__contains__))
-            graph.instantiate()
         return graph, out, graph.pool()
 
     def _pack(self, bs: int, rows64: list[np.ndarray | None], context_lens: np.ndarray,

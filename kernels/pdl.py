@@ -10,8 +10,9 @@ The contract every kernel launched with `pdl_args` keeps: `pdl_prologue()` first
 global memory read or write. Its wait returns once the previous grid has completed and its writes
 are visible, so a kernel never reads an unfinished result, nor overwrites a buffer its predecessor
 still reads; completion is transitive (the predecessor itself waited on its own). Kernels launched
-without PDL (cuBLAS, torch ops) keep the stream's usual full ordering; in the decode graphs the
-edges into cuBLAS's GEMMs are made programmatic after capture (dataplane/graph_pdl.py).
+without PDL (cuBLAS, torch ops) keep the stream's usual full ordering. They must: cuBLAS's GEMMs
+do not wait, and on an edge made programmatic they read their input before it is written
+(benchmarks/graph_edges.py).
 
 One exception, by the same transitivity: a kernel's programs start only once every program of its
 predecessor has passed its own wait, so everything queued before the predecessor has completed. A

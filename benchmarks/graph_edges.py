@@ -1,49 +1,40 @@
-"""Programmatic edges into cuBLAS's kernels in the decode graphs (Hopper and later).
+"""Programmatic edges in a captured CUDA graph, and a check of whether a kernel waits on one.
 
-Our Triton kernels take part in programmatic dependent launch (kernels/pdl.py): each is launched
-with the PDL attribute, so in a captured graph the edge into it is programmatic and its grid is
-launched while its predecessor drains. torch launches cuBLAS without that attribute, so every edge
-into a GEMM is a full one: above 64 rows a decode layer's four GEMMs each wait for the previous
-kernel to retire before their grid is even launched. Programmatic edges into them took 1.9-2.6%
-off the bench's run.
+An experiment's tools, not used by the engine (benchmarks/graph_pdl.py runs them). Our Triton kernels
+take part in programmatic dependent launch (kernels/pdl.py); torch launches cuBLAS without it, so in
+the decode graphs every edge into a GEMM is a full one. `rewire` makes such edges programmatic
+after capture (a graph captured with `keep_graph=True`, changed before it is instantiated), so the
+GEMM's grid launches while its producer still runs. That is only correct for a kernel that executes
+`griddepcontrol.wait` before it touches what its producer writes.
 
-Two things keep a rewired edge from handing a GEMM unfinished data. Measured on the H200
-(tests/test_graph_pdl.py): a kernel launched without the PDL attribute whose edge was made
-programmatic afterwards is not run ahead of its producer, not even one that reads before its
-`griddepcontrol.wait`. The gain (~1 µs an edge; BENCHMARKS.md, twenty-first session) is then most
-likely the grid's launch, done while the producer still runs. And in case a driver did run such
-kernels early, `waiting_kernels` checks every GEMM the graphs will run (each weight shape at each
-batch size, through the calls the model makes) behind a slow producer that lets dependents launch
-at once and only then writes the GEMM's input and reads the buffer the GEMM writes: a kernel that
-read its input, or wrote, too early gives a wrong result, and only kernels that passed are rewired.
-`rewire` changes each graph, captured with `keep_graph=True`, before it is instantiated.
-`NANOPLANE_GRAPH_PDL=0` turns it off; it is off wherever PDL is (kernels/pdl.py).
+`check` finds out: it runs a kernel behind a producer that lets dependents launch at once, holds a
+few SMs for ~50 us, and only then writes the kernel's input and reads the buffer the kernel writes.
+On an H200 (driver for CUDA 13, cuBLAS 13) every cuBLAS GEMM a Qwen3-0.6B decode step runs fails it:
+they start early and read stale input. So did kernels without a wait launched plainly on a rewired
+edge. The engine therefore keeps full edges into cuBLAS (BENCHMARKS.md, twenty-second session: the
+1.9-2.6% measured with rewired edges came with that race).
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_enabled, pdl_prologue
-
-log = logging.getLogger(__name__)
+from kernels.pdl import pdl_args, pdl_prologue
 
 _NODE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _EDGE_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
 _PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: the upstream kernel's trigger
-# Iterations of the producer's dependent multiply-add chain: at a few cycles each some tens of
-# microseconds (estimated, not timed), several times a GEMM's run, so a GEMM that read too early
-# has long finished on the stale input.
+# Iterations of the producer's dependent multiply-add chain: ~50 us on an H200 (the producer took 201 us
+# with them and 150 us without, timed once), many times a decode GEMM's run, so a GEMM that read
+# too early has long finished on the stale input.
 _SPIN = 25_000
+_PRODUCER_PROGRAMS = 4
 
 
 class _EdgeData(ctypes.Structure):
@@ -66,10 +57,6 @@ class Edge:
     src_name: str | None  # kernel names; None for a node that is not a kernel (a copy, a memset)
     dst_name: str | None
     programmatic: bool
-
-
-def enabled(device: torch.device) -> bool:
-    return os.environ.get("NANOPLANE_GRAPH_PDL", "1") != "0" and pdl_enabled(device)
 
 
 def _driver() -> ctypes.CDLL:
@@ -157,18 +144,29 @@ def rewire(graph: int, into: Callable[[str], bool]) -> list[Edge]:
 
 
 @triton.jit
-def _late_copy(src_ptr, dst_ptr, n, seen_ptr, snap_ptr, m, iters, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _late_copy(src_ptr, dst_ptr, n, seen_ptr, snap_ptr, m, iters, half, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Waits, lets its dependents launch at once, spins, and only then writes dst (the next kernel's
-    # input) and reads seen (a buffer the next kernel writes) into snap.
+    # input) and reads seen (a buffer the next kernel writes) into snap. Its few programs stride over
+    # the data, so nearly every SM is free for a dependent that starts early.
     pdl_prologue(USE_PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32) + 1.0
-    for _ in range(iters):  # 1 is the fixed point: acc stays 1, but the chain must run
-        acc = acc * 0.5 + 0.5
-    x = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + offs, (x * acc).to(dst_ptr.dtype.element_ty), mask=offs < n)
-    seen = tl.load(seen_ptr + offs, mask=offs < m, other=0.0).to(tl.float32)
-    tl.store(snap_ptr + offs, (seen * acc).to(snap_ptr.dtype.element_ty), mask=offs < m)
+    # 1 is the fixed point (half = 0.5): acc stays 1. `half` is a run-time argument so that the compiler
+    # cannot fold the chain away, as it did with a literal 0.5: the producer then took ~40 us whatever
+    # `iters` was, and no kernel ever failed the check.
+    for _ in range(iters):
+        acc = acc * half + half
+    for start in range(tl.program_id(0) * BLOCK, tl.maximum(n, m), tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(src_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(dst_ptr + offs, (x * acc).to(dst_ptr.dtype.element_ty), mask=offs < n)
+        seen = tl.load(seen_ptr + offs, mask=offs < m, other=0.0).to(tl.float32)
+        tl.store(snap_ptr + offs, (seen * acc).to(snap_ptr.dtype.element_ty), mask=offs < m)
+
+
+def late_copy(src: torch.Tensor, dst: torch.Tensor, seen: torch.Tensor, snap: torch.Tensor, iters: int) -> None:
+    """The check's producer: dst = src and snap = seen, done after `iters` steps of a dependent chain."""
+    _late_copy[(_PRODUCER_PROGRAMS,)](src, dst, dst.numel(), seen, snap, seen.numel(), iters, 0.5, BLOCK=1024,
+                                      **pdl_args(src.device))
 
 
 def check(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int, k: int, n: int,
@@ -180,13 +178,11 @@ def check(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
     x, y = torch.zeros_like(src), torch.empty(rows, n, dtype=dtype, device=device)
     y0 = torch.randn(rows, n, dtype=dtype, device=device)
     snap = torch.empty_like(y)
-    block = 1024
 
     def step() -> torch.Tensor:
         y.copy_(y0)
         x.zero_()
-        _late_copy[(triton.cdiv(max(x.numel(), y.numel()), block),)](
-            src, x, x.numel(), y, snap, y.numel(), _SPIN, BLOCK=block, **pdl_args(device))
+        late_copy(src, x, y, snap, _SPIN)
         return gemm(x, y)
 
     step()  # compiles, and lets cuBLAS settle its choice outside the capture
@@ -204,50 +200,3 @@ def check(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
         good &= torch.equal(snap, y0) and torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.cuda.synchronize(device)
     return entered, bool(good)
-
-
-def decode_gemms(model: torch.nn.Module) -> list[tuple[Callable, int, int]]:
-    """(gemm(x, y) -> out, k, n): each library GEMM a decode graph of `model` may run, through the
-    calls the model makes (models/layers/linear.py picks the kernel by row count)."""
-    from models.layers.embed_head import ParallelLMHead
-    from models.layers.linear import LinearBase, RowParallelLinear, linear, linear_add_
-
-    out, seen = [], set()
-    for module in model.modules():
-        if isinstance(module, ParallelLMHead):
-            calls = [("head", lambda x, y, w=module.weight: F.linear(x, w))]
-        elif isinstance(module, LinearBase):
-            calls = [("linear", lambda x, y, w=module.weight: linear(x, w))]
-            if isinstance(module, RowParallelLinear):
-                calls.append(("add", lambda x, y, w=module.weight: linear_add_(x, w, y)))
-        else:
-            continue
-        n, k = module.weight.shape
-        for kind, call in calls:
-            if (kind, n, k) not in seen:
-                seen.add((kind, n, k))
-                out.append((call, k, n))
-    return out
-
-
-def waiting_kernels(model: torch.nn.Module, batch_sizes: list[int], dtype: torch.dtype,
-                    device: torch.device) -> set[str]:
-    """Names of the kernels the checks passed, over the model's GEMMs at each batch size; a kernel any
-    check failed is left out whatever the others found. Empty (nothing rewired) where the driver
-    lacks the graph-edge API."""
-    passed: set[str] = set()
-    failed: set[str] = set()
-    gemms = decode_gemms(model)
-    try:
-        for rows in batch_sizes:
-            for gemm, k, n in gemms:
-                entered, good = check(gemm, rows, k, n, dtype, device)
-                (passed if good else failed).update(entered)
-    except (OSError, RuntimeError) as exc:  # no libcuda.so.1, or a driver before CUDA 12.3's edge data
-        log.warning("decode graphs keep full edges into library kernels: %s", exc)
-        return set()
-    finally:
-        torch.cuda.empty_cache()  # the checks' buffers, before the graphs' pool is reserved
-    if failed:
-        log.warning("kernels that failed the early-start check keep full edges: %s", sorted(failed))
-    return passed - failed
