@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_prologue
+from kernels.pdl import gdc_wait, pdl_args, pdl_prologue
 
 _NODE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 _EDGE_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
@@ -76,15 +76,6 @@ def _fn(lib: ctypes.CDLL, *names: str):
     raise RuntimeError(f"the CUDA driver exports none of {names}")
 
 
-def nodes(graph: int) -> list[int]:
-    """Every node of a graph (`torch.cuda.CUDAGraph.raw_cuda_graph()`)."""
-    lib, count = _driver(), ctypes.c_size_t()
-    _ok(lib.cuGraphGetNodes(ctypes.c_void_p(graph), None, ctypes.byref(count)), "cuGraphGetNodes")
-    out = (ctypes.c_void_p * count.value)()
-    _ok(lib.cuGraphGetNodes(ctypes.c_void_p(graph), out, ctypes.byref(count)), "cuGraphGetNodes")
-    return list(out)
-
-
 def kernel_name(node: int, lib: ctypes.CDLL | None = None) -> str | None:
     """A kernel node's kernel name; None for any other node."""
     lib = lib or _driver()
@@ -128,8 +119,8 @@ def full_kernel_edges(all_edges: list[Edge], into: Callable[[str], bool]) -> lis
 
 def rewire(graph: int, into: Callable[[str], bool]) -> list[Edge]:
     """Make every full kernel-to-kernel edge into a kernel `into` accepts programmatic: that kernel's
-    grid may launch once its predecessor triggers, and its own wait keeps the data order. Returns
-    the edges changed."""
+    grid may launch once its predecessor triggers. Only a kernel that waits before it touches memory
+    keeps the data order then (`check` tells). Returns the edges changed."""
     lib = _driver()
     remove = _fn(lib, "cuGraphRemoveDependencies_v2", "cuGraphRemoveDependencies")
     add = _fn(lib, "cuGraphAddDependencies_v2", "cuGraphAddDependencies")
@@ -200,3 +191,24 @@ def check(gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
         good &= torch.equal(snap, y0) and torch.allclose(out.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.cuda.synchronize(device)
     return entered, bool(good)
+
+
+@triton.jit
+def _waits_first(x_ptr, o_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    # The control that keeps the PDL contract: it waits, then clears y and doubles x into o.
+    gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.zeros([BLOCK], tl.float32).to(y_ptr.dtype.element_ty), mask=offs < n)
+    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def doubling(kernel=_waits_first, pdl: bool = False) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A `gemm(x, y)` for `check` made of a Triton `kernel(x, o, y, n, BLOCK)` that doubles x into a new
+    tensor (and may clear y). Launched plainly, the check's rewiring makes its edge programmatic;
+    with `pdl`, its own launch attribute does."""
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        launch = {"launch_pdl": True} if pdl else {}
+        kernel[(triton.cdiv(x.numel(), 1024),)](x, out, y, x.numel(), BLOCK=1024, **launch)
+        return out
+    return run

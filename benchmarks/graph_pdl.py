@@ -25,34 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from gemm_chain import LAYERS, SHAPES, layer_weights  # noqa: E402
-from graph_edges import check, rewire  # noqa: E402
+from graph_edges import check, doubling, rewire  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 from kernels import silu_and_mul  # noqa: E402
-from kernels.pdl import gdc_wait  # noqa: E402
 
 DEVICE, DTYPE = torch.device("cuda"), torch.bfloat16
 
 
-@triton.jit
-def _double_after_wait(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
-    gdc_wait()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
-
-
-def _waits_first(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
-    _double_after_wait[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
-    return out
-
-
 def checks(rows: list[int]) -> list[str]:
     lines = []
-    for name, control in (("x * 2 (no wait)", lambda x, y: x * 2), ("Triton, waits first", _waits_first)):
+    for name, control in (("x * 2 (no wait)", lambda x, y: x * 2), ("Triton, waits first", doubling())):
         entered, good = check(control, rows[0], 1024, 1024, DTYPE, DEVICE)
         lines.append(f"| {rows[0]} | {name} | {', '.join(sorted(entered))[:60]} | {good} |")
     for name, (n, k) in SHAPES.items():

@@ -16,8 +16,8 @@ each copy is contiguous. Padding rows read the token buffer's spare row, write t
 store no KV (slot -1) and attend to nothing (context length 0).
 
 The edges into cuBLAS's GEMMs stay full ones. Made programmatic after capture, they would let each
-GEMM's grid launch while its producer drains (measured 1.9-2.6% faster), but cuBLAS's kernels then read their
-input before it is written: they do not wait (benchmarks/graph_edges.py; BENCHMARKS.md).
+GEMM's grid launch while its producer drains (measured 1.9-2.6% faster), but cuBLAS's kernels then
+read their input before it is written: they do not wait (benchmarks/graph_edges.py; BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from benchmarks.graph_edges import Edge, check, full_kernel_edges
+from benchmarks.graph_edges import Edge, check, doubling, full_kernel_edges
 from kernels.pdl import gdc_wait
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -49,25 +49,6 @@ def _writes_before_wait(x_ptr, o_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
-@triton.jit
-def _waits_first(x_ptr, o_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    gdc_wait()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.zeros([BLOCK], tl.float32).to(y_ptr.dtype.element_ty), mask=offs < n)
-    tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
-
-
-def _launch(kernel, pdl: bool = False):
-    """gemm(x, y) for the check: `kernel` doubles x into a new tensor (and may clear y). Launched plainly,
-    the check's rewiring makes its edge programmatic; with `pdl`, its own launch attribute does."""
-    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        launch = {"launch_pdl": True} if pdl else {}
-        kernel[(triton.cdiv(x.numel(), 1024),)](x, out, y, x.numel(), BLOCK=1024, **launch)
-        return out
-    return run
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("pdl", [False, True])
@@ -76,7 +57,7 @@ def test_the_check_fails_a_kernel_that_touches_memory_before_its_wait(kernel, pd
     """Launched plainly on an edge the check made programmatic, or with the PDL attribute, such a
     kernel starts while the producer spins and reads its stale input, or clears the buffer the
     producer has yet to read."""
-    entered, good = check(_launch(kernel, pdl), 128, 1024, 1024, torch.bfloat16, _pdl_device())
+    entered, good = check(doubling(kernel, pdl), 128, 1024, 1024, torch.bfloat16, _pdl_device())
     assert entered == (set() if pdl else {kernel.fn.__name__})  # with the attribute it was programmatic already
     assert not good
 
@@ -86,7 +67,7 @@ def test_the_check_fails_a_kernel_that_touches_memory_before_its_wait(kernel, pd
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("rows", [1, 128])
 def test_the_check_passes_a_kernel_that_waits_before_touching_memory(rows, pdl):
-    _, good = check(_launch(_waits_first, pdl), rows, 1024, 1024, torch.bfloat16, _pdl_device())
+    _, good = check(doubling(pdl=pdl), rows, 1024, 1024, torch.bfloat16, _pdl_device())
     assert good
 
 
