@@ -72,8 +72,8 @@ class Partition:
 def halves_pipelined(x, weights, caches, tables, lens, orders, attn_stream, gemm_stream, keep: list):
     """The layers of benchmarks/overlap.py for two half batches: every attention on `attn_stream`,
     every GEMM and silu·mul on `gemm_stream`, so that one half's GEMMs run during the other's
-    attention. `keep` holds every intermediate until the caller clears it (no allocator reuse
-    across the streams)."""
+    attention. `keep` holds every tensor one stream hands the other until the caller clears it, so
+    the allocator does not reuse its memory while the other stream may still read it."""
     from l2_prefetch import HQ, LAYERS, D, linear
 
     from kernels import paged_decode_attention, silu_and_mul
