@@ -245,7 +245,7 @@ class AsyncEngine:
             deliveries.clear()
 
     def _step(self, deliveries: list) -> bool:
-        """One engine step; returns whether it made progress (ran rows or has a step in flight)."""
+        """One engine step; returns whether it made progress (ran rows or has steps in flight)."""
         try:
             out = self.engine.step(on_queued=lambda: self._hand_over(deliveries))
         except Exception as exc:
@@ -264,8 +264,8 @@ class AsyncEngine:
             deliveries.append((stream, _output(stream, seq, [token])))
             if seq.is_finished:
                 del self._stream_of[seq.seq_id], self._seq_of[stream]
-        # With a step in flight the first step of a burst returns no rows yet: that is progress too.
-        return bool(out.rows) or self.engine.inflight is not None
+        # With steps in flight the first steps of a burst return no rows yet: that is progress too.
+        return bool(out.rows) or bool(self.engine.inflight)
 
     def _try_recover(self) -> None:
         self._next_recover = time.monotonic() + self._recover_interval_s

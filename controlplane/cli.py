@@ -31,6 +31,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, scheduling_only: bool = Fal
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--steps-in-flight", type=int, default=0,
+                   help="steps sent ahead of the result waited for, up to 2 (0: 1 embedded, 2 over ZeroMQ)")
     if scheduling_only:
         return
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")
@@ -46,7 +48,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, scheduling_only: bool = Fal
 
 ENGINE_OPTIONS = ("device", "dtype", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens",
                   "max_model_len", "kvcache_block_size", "num_kvcache_blocks", "gpu_memory_utilization",
-                  "cpu_kvcache_gib", "enforce_eager", "attention_backend", "seed")
+                  "cpu_kvcache_gib", "enforce_eager", "attention_backend", "seed", "steps_in_flight")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.plane import MAX_STEPS_IN_FLIGHT
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -24,6 +26,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no decode CUDA graphs (torch.compile is not used at all: BENCHMARKS.md)
     attention_backend: str = "auto"  # "torch", "triton", "flash-attn" or "auto"
     seed: int = 0  # seeds the shared sampling generator of rank 0
+    # Steps sent ahead of the result the engine waits for (proto.plane.MAX_STEPS_IN_FLIGHT at most);
+    # 0: the data plane's own choice (1 in-process, 2 over ZeroMQ: BENCHMARKS.md, "Two steps in flight").
+    steps_in_flight: int = 0
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
 
     def __post_init__(self) -> None:
@@ -54,6 +59,9 @@ class EngineConfig:
             self.max_model_len = min(self.max_model_len, int(limit))
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 <= self.steps_in_flight <= MAX_STEPS_IN_FLIGHT:
+            raise ValueError(f"steps_in_flight must be 0 (the data plane's choice) to {MAX_STEPS_IN_FLIGHT}, "
+                             f"got {self.steps_in_flight}")
         if self.attention_backend not in ("auto", "torch", "triton", "flash-attn"):
             raise ValueError("attention_backend must be auto, torch, triton or flash-attn, "
                              f"got {self.attention_backend!r}")

@@ -6,6 +6,7 @@ service); only the `DataPlaneClient` differs.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -14,14 +15,15 @@ from controlplane.config import EngineConfig
 from controlplane.sampling_params import SamplingParams
 from controlplane.scheduler import Scheduler, SchedulerOutput
 from controlplane.sequence import FinishReason, Sequence
-from proto.plane import NewRequest, PlaneInfo, StepDescriptor, StepResult, int32_column
+from proto.plane import MAX_STEPS_IN_FLIGHT, NewRequest, PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
 class DataPlaneClient(Protocol):
     """How the engine reaches the data plane: in-process or over a transport.
 
     A client that also has `submit(desc)` and `collect(step_id) -> StepResult` lets the engine keep
-    one step in flight: step N+1 is scheduled and sent while step N runs.
+    steps in flight: step N+1 (and N+2) is scheduled and sent while step N runs. Its attribute
+    `steps_in_flight`, if any, says how many it wants when the engine config leaves that open.
     """
 
     def start(self) -> list[PlaneInfo]:
@@ -36,7 +38,7 @@ class DataPlaneClient(Protocol):
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step's result did. With a step in flight, that is the previous step's result."""
+    """What a step's result did. With steps in flight, that is the result of an earlier step."""
 
     produced: list[tuple[Sequence, int]]  # (request, its new output token), for each token that counts
     finished: list[Sequence]  # requests that ended with this result
@@ -74,13 +76,16 @@ def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: i
 class Engine:
     def __init__(self, config: EngineConfig, data_plane: DataPlaneClient, eos_token_ids: tuple[int, ...],
                  overlap: bool | None = None, start_timeout: float | None = None):
-        """`overlap`: keep a step in flight (default: whenever the data plane can submit and collect).
+        """`overlap`: keep steps in flight (default: whenever the data plane can submit and collect);
+        how many is `config.steps_in_flight`, or the data plane's choice when that is 0.
         `start_timeout`: how long to wait for the data plane's ranks (default: the client's own)."""
         self.config = config
         self.data_plane = data_plane
         can_overlap = hasattr(data_plane, "submit") and hasattr(data_plane, "collect")
         self.overlap = can_overlap if overlap is None else overlap and can_overlap
-        self.inflight: tuple[SchedulerOutput, int, int] | None = None  # (output, step id, tokens)
+        depth = config.steps_in_flight or getattr(data_plane, "steps_in_flight", 1)
+        self.steps_in_flight = min(depth, MAX_STEPS_IN_FLIGHT) if self.overlap else 0
+        self.inflight: deque[tuple[SchedulerOutput, int, int]] = deque()  # (output, step id, tokens), oldest first
         self.infos = data_plane.start() if start_timeout is None else data_plane.start(start_timeout)
         info = self.infos[0]
         self.num_kv_blocks = min(i.num_kv_blocks for i in self.infos)
@@ -124,17 +129,18 @@ class Engine:
         return len(s.running), len(s.waiting), s.block_manager.num_used_blocks, self.num_kv_blocks
 
     def has_work(self) -> bool:
-        return self.inflight is not None or not self.scheduler.is_finished()
+        return bool(self.inflight) or not self.scheduler.is_finished()
 
     def step(self, on_queued: Callable[[], None] | None = None) -> StepOutput:
-        """Schedule and send a step; return what the latest result did (this step's, or with overlap
-        the previous step's: the GPU then never waits for this host work).
+        """Schedule and send a step; return what the latest result did: this step's, or with overlap
+        that of the step `steps_in_flight` before it (the GPU then never waits for this host work),
+        or nothing yet while the first steps of a burst fill the pipeline.
 
         `on_queued` runs once per call, after the step is sent and before the call waits for a
         result: work done there (handing the previous result's tokens to the streams) is off the
         path from one result to the next step's descriptor, which the GPU waits on."""
         out = self.scheduler.schedule()
-        sent = None
+        sent = False
         if out.seqs:
             num_tokens = out.num_tokens
             desc = self.describe(out)
@@ -144,13 +150,14 @@ class Engine:
                     on_queued()
                 return self._apply(out, num_tokens, self.data_plane.execute(desc), desc.step_id)
             self.data_plane.submit(desc)
-            sent = (out, desc.step_id, num_tokens)
+            self.inflight.append((out, desc.step_id, num_tokens))
+            sent = True
         if on_queued is not None:
             on_queued()
-        previous, self.inflight = self.inflight, sent
-        if previous is None:
+        # Nothing new to send (the rest waits for results) also means: collect the oldest now.
+        if not self.inflight or (sent and len(self.inflight) <= self.steps_in_flight):
             return StepOutput([], [], 0, False)
-        prev_out, step_id, num_tokens = previous
+        prev_out, step_id, num_tokens = self.inflight.popleft()
         return self._apply(prev_out, num_tokens, self.data_plane.collect(step_id), step_id)
 
     def _apply(self, out: SchedulerOutput, num_tokens: int, result: StepResult, step_id: int) -> StepOutput:

@@ -75,6 +75,11 @@ PUMP_MAX = 1000
 
 
 class RemoteDataPlane:
+    # A result's way back to the next descriptor crosses processes here (rank -> ZeroMQ -> the engine
+    # process -> ZeroMQ -> the rank's own launch); with one step in flight, at a few rows that path
+    # outlasted the GPU's step on some hosts (BENCHMARKS.md, "Two steps in flight"), so two.
+    steps_in_flight = 2
+
     def __init__(self, address: str, world_size: int | None = None, *, heartbeat_timeout: float = 2.5,
                  step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0):
         """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any."""

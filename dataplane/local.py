@@ -30,6 +30,9 @@ def _serve_rank(cfg: DataPlaneConfig, conn) -> None:
 
 
 class LocalDataPlane:
+    # The engine thread launches each step itself, well inside a GPU step: one in flight is enough.
+    steps_in_flight = 1
+
     def __init__(self, cfg: DataPlaneConfig):
         if cfg.world_size > 1 and not cfg.dist_init:
             cfg = dataclasses.replace(cfg, dist_init=f"tcp://127.0.0.1:{free_port()}")

@@ -32,7 +32,7 @@ from models.layers.parallel import set_fast_all_reduce
 from models.loader import load_model
 from models.norm_fold import fold_norms
 from models.registry import model_class
-from proto.plane import PlaneInfo, StepDescriptor, StepResult
+from proto.plane import MAX_STEPS_IN_FLIGHT, PlaneInfo, StepDescriptor, StepResult
 
 
 @dataclass(slots=True)
@@ -115,8 +115,9 @@ class ModelRunner:
         self.state = BatchState(cfg.max_num_seqs, self.max_model_len, self.block_size, self.device)
         self.upload = Uploader(self.device)
         self.result_slot = 0
+        # One per step a rank may hold launched (proto.plane): each step's copy has a buffer of its own.
         self.result_buffers = [torch.zeros(cfg.max_num_seqs, dtype=torch.int32).pin_memory()
-                               for _ in range(2)] if self.device.type == "cuda" else []
+                               for _ in range(MAX_STEPS_IN_FLIGHT + 1)] if self.device.type == "cuda" else []
         self.graphs = self._capture_graphs()
         self.next_step_id = 0
 
@@ -204,8 +205,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             # A copy: the decode graphs' sampled ids live in a buffer the next step rewrites.
             return Launched(desc.step_id, start, host=sampled.to(torch.int32, copy=True).numpy())
-        # Two pinned buffers in turn: one step's copy may still be in flight while the next is queued.
-        self.result_slot ^= 1
+        # Pinned buffers in turn: the steps launched before this one may not have been read yet.
+        self.result_slot = (self.result_slot + 1) % len(self.result_buffers)
         host = self.result_buffers[self.result_slot][:n]
         host.copy_(sampled.to(torch.int32), non_blocking=True)
         done = torch.cuda.Event()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from proto.plane import MAX_STEPS_IN_FLIGHT
+
 # Each array starts at a multiple of this many bytes. Triton compiles a kernel once per pattern of its
 # pointer arguments' 16-byte alignment: packed back to back, an odd number of int64s would leave the
 # next array misaligned, and a kernel launched outside CUDA graphs (the sampler under tensor
@@ -28,10 +30,10 @@ def layout(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
 
 class Uploader:
     # Staging buffers in turn: a buffer is reused only after the copies of RING uploads ago left it.
-    # A step uploads up to three times (admitted prompts, inputs, sampling parameters) and one step
-    # may be in flight, so the oldest copy waited on is at least two steps back and long done: the
-    # host never waits for the GPU's current work here.
-    RING = 6
+    # A step uploads up to three times (admitted prompts, inputs, sampling parameters) and up to
+    # MAX_STEPS_IN_FLIGHT steps may be launched ahead of it, so the oldest copy waited on belongs to a
+    # step that has started, its inputs long copied: the host never waits for the GPU's work here.
+    RING = 3 * (MAX_STEPS_IN_FLIGHT + 1)
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -9,8 +9,9 @@ other: it loads the model, reports READY with its PlaneInfo, then executes each 
 answers every step; other ranks execute the same descriptor and answer only a fatal error, since a
 refusal (wrong epoch or step id) is the same on every rank and rank 0 already reports it.
 
-A step stays in flight, as in the embedded engine: the control plane sends step N+1 before it needs
-step N's result, so a rank launches N+1 while N's GPU work runs and only then waits for N.
+Steps stay in flight, as in the embedded engine: the control plane sends step N+1 (and N+2, see
+proto.plane.MAX_STEPS_IN_FLIGHT) before it needs step N's result, so a rank launches them while N's
+GPU work runs and only then waits for N.
 
 Exit codes: 0 when the control plane stopped the data plane on purpose, EXIT_RESTART when it went
 away or dropped this data plane (a supervisor restarts the launcher, which re-attaches with empty
@@ -35,7 +36,7 @@ import zmq
 
 from dataplane.config import DataPlaneConfig
 from proto import codec
-from proto.plane import StepDescriptor, StepResult
+from proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult
 
 EXIT_RESTART = 75  # EX_TEMPFAIL
 EXIT_FAILED = 1
@@ -178,12 +179,14 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _L
 
 class _Pace:
     """Where a served step's host time goes, seen from rank 0 (`NANOPLANE_RANK_PACE=N` logs it every
-    N steps). With a step in flight the control plane sends step s + 1 after it has step s - 1's
-    result, and the GPU stays busy only if that descriptor arrives before step s ends. Logged: the
-    rank's host time per launch, the control plane's turnaround (result s - 1 sent to descriptor s + 1
-    received; spells over a second are idleness, not turnaround, and are left out), the steps whose
-    descriptor came only after the previous step's result had gone out, and the steps whose launch
-    ended after the GPU had finished the step before (either way the GPU waited for the host)."""
+    N steps). With d steps in flight the control plane sends step s + d after it has step s - 1's
+    result, and the GPU stays busy only if that descriptor, and its launch, are done before the steps
+    launched ahead of it end. Logged: the rank's host time per launch, the control plane's turnaround
+    (result s - 1 sent to descriptor s + d received; spells over a second are idleness, not turnaround,
+    and are left out), the steps whose descriptor came only after the previous step's result had gone
+    out, and the steps whose launch ended after the GPU had finished the step before (either way the
+    GPU waited for the host). d is read off the traffic: a descriptor never comes before the result it
+    waits for, and when the control plane is quick it comes before the next one."""
 
     IDLE_S = 1.0
 
@@ -194,10 +197,13 @@ class _Pace:
         self.dry = 0
         self.late = 0
         self.sent: dict[int, float] = {}  # step id -> when its result went out (the latest few)
+        self.latest_sent = -1
+        self.depth = 1  # the control plane's steps in flight, the largest seen
 
     def received(self, step_id: int) -> None:
         now = time.perf_counter()
-        if (at := self.sent.get(step_id - 2)) is not None and now - at < self.IDLE_S:
+        self.depth = max(self.depth, step_id - 1 - self.latest_sent)
+        if (at := self.sent.get(step_id - 1 - self.depth)) is not None and now - at < self.IDLE_S:
             self.turnaround.append(now - at)
         self.dry += step_id - 1 in self.sent
 
@@ -214,15 +220,17 @@ class _Pace:
 
     def sent_result(self, step_id: int) -> None:
         self.sent[step_id] = time.perf_counter()
-        self.sent.pop(step_id - 4, None)
+        self.latest_sent = step_id
+        self.sent.pop(step_id - 2 * (MAX_STEPS_IN_FLIGHT + 1), None)
 
 
 class _StepLoop:
-    """Obeys descriptors in order and keeps one step in flight.
+    """Obeys descriptors in order and keeps the steps the control plane sent ahead in flight.
 
     `steps` holds what is not answered yet, oldest first: a runner's Launched, or the StepResult of a
-    descriptor refused before launch. At most two: the runner copies results into a ring of two
-    pinned buffers, and the control plane never sends N+2 before it has N's result anyway.
+    descriptor refused before launch. At most MAX_STEPS_IN_FLIGHT + 1: the runner copies results into
+    a ring of that many pinned buffers, and the control plane never sends more before it has the
+    oldest one's result anyway.
     """
 
     def __init__(self, runner, data: zmq.Socket, epoch: int, rank: int):
@@ -234,8 +242,8 @@ class _StepLoop:
     def run(self, live: _Liveness) -> None:
         while not live.exit_requested.is_set():
             # A finished result goes out first (sending costs microseconds, a launch far more); with
-            # two steps launched, block on the older one.
-            if self.steps and (len(self.steps) == 2 or self.oldest_done()):
+            # as many steps launched as may be, block on the oldest.
+            if self.steps and (len(self.steps) > MAX_STEPS_IN_FLIGHT or self.oldest_done()):
                 self.finish()
                 continue
             # While a step runs, spin between the socket and its event: a blocking wait for either
@@ -268,9 +276,9 @@ class _StepLoop:
             seconds = time.perf_counter() - start
             # With a step still running the GPU was busy throughout; if it has finished, the GPU
             # sat idle for part of this launch (refusals and CPU steps carry no event: not counted).
-            older = self.steps[0] if len(self.steps) == 2 else None
+            older = self.steps[-2] if len(self.steps) >= 2 else None
             timed = older is not None and not isinstance(older, StepResult) and older.done is not None
-            self.pace.launched(seconds, timed and self.oldest_done())
+            self.pace.launched(seconds, timed and older.done.query())
 
     def oldest_done(self) -> bool:
         step = self.steps[0]

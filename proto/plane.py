@@ -18,6 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# How many steps the control plane may have sent beyond the one whose result it waits for. A rank
+# holds that many launched steps plus the one being answered (its pinned result buffers are sized
+# for it), so a control plane must never go deeper. One keeps the GPU busy while the host prepares
+# the next step; two also cover a path from result to next descriptor longer than one GPU step,
+# which the service's (engine process, ZeroMQ, the rank's own launch) can be at a few rows.
+MAX_STEPS_IN_FLIGHT = 2
+
 
 def int32_column(values=()) -> np.ndarray:
     """A contiguous int32 column, the one array type descriptors carry."""

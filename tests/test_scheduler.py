@@ -166,6 +166,7 @@ class PositionalDataPlane(FakeDataPlane):
         self.eos_at_position = eos_at_position or {}
         self.index: dict[int, int] = {}  # request id -> its place in the test, so runs compare
         self.queue: list[StepResult] = []
+        self.max_queued = 0  # the most steps submitted and not collected at once
 
     def execute(self, desc: StepDescriptor) -> StepResult:
         for slot in desc.free_slots.tolist():
@@ -181,6 +182,7 @@ class PositionalDataPlane(FakeDataPlane):
 
     def submit(self, desc: StepDescriptor) -> None:
         self.queue.append(self.execute(desc))
+        self.max_queued = max(self.max_queued, len(self.queue))
 
     def collect(self, step_id: int) -> StepResult:
         result = self.queue.pop(0)
@@ -188,11 +190,13 @@ class PositionalDataPlane(FakeDataPlane):
         return result
 
 
-def run_positional(model_dir, overlap: bool, num_blocks: int, abort_after: int | None = None):
+def run_positional(model_dir, depth: int, num_blocks: int, abort_after: int | None = None):
+    """The positional workload with `depth` steps in flight (0: every step waited for)."""
     dp = PositionalDataPlane(num_blocks, max_num_seqs=4)
-    cfg = EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=40)
-    engine = Engine(cfg, dp, (EOS,), overlap=overlap)
-    assert engine.overlap == overlap
+    cfg = EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=40,
+                       steps_in_flight=depth)
+    engine = Engine(cfg, dp, (EOS,), overlap=depth > 0)
+    assert engine.steps_in_flight == depth
     seqs = [engine.add_request([(i * 13 + j) % 90 + 5 for j in range(10 + 9 * i)],
                                SamplingParams(max_tokens=25 + i, ignore_eos=i == 3)) for i in range(6)]
     dp.index = {s.seq_id: i for i, s in enumerate(seqs)}
@@ -206,13 +210,15 @@ def run_positional(model_dir, overlap: bool, num_blocks: int, abort_after: int |
         assert steps < 2000
     bm = engine.scheduler.block_manager
     assert bm.num_used_blocks == 0 and not engine.scheduler.running and not engine.scheduler.waiting
+    assert dp.max_queued == (depth + 1 if depth else 0)  # the pipeline was as deep as asked, no deeper
     return [(s.completion_token_ids, s.finish_reason) for s in seqs], engine.scheduler.num_preemptions
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("num_blocks", [64, 7])  # 7 blocks force preemption
-def test_a_step_in_flight_gives_the_same_outputs(model_dir, num_blocks):
-    sync, _ = run_positional(model_dir, overlap=False, num_blocks=num_blocks)
-    piped, preemptions = run_positional(model_dir, overlap=True, num_blocks=num_blocks)
+def test_steps_in_flight_give_the_same_outputs(model_dir, num_blocks, depth):
+    sync, _ = run_positional(model_dir, depth=0, num_blocks=num_blocks)
+    piped, preemptions = run_positional(model_dir, depth=depth, num_blocks=num_blocks)
     assert piped == sync
     assert sync[1][1] is FinishReason.STOP and sync[1][0][-1] == EOS
     assert sync[3][1] is FinishReason.LENGTH and len(sync[3][0]) == 28  # EOS ignored
@@ -221,8 +227,9 @@ def test_a_step_in_flight_gives_the_same_outputs(model_dir, num_blocks):
         assert preemptions > 0
 
 
-def test_abort_with_a_step_in_flight(model_dir):
-    outs, _ = run_positional(model_dir, overlap=True, num_blocks=64, abort_after=5)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_abort_with_steps_in_flight(model_dir, depth):
+    outs, _ = run_positional(model_dir, depth=depth, num_blocks=64, abort_after=5)
     assert outs[4][1] is FinishReason.ABORT
     assert outs[0][1] is FinishReason.LENGTH and len(outs[0][0]) == 25
 

@@ -1,4 +1,4 @@
-"""The rank process keeps one step in flight (dataplane/worker.py `_StepLoop`), driven here without a model:
+"""The rank process keeps steps in flight (dataplane/worker.py `_StepLoop`), driven here without a model:
 a fake runner whose GPU work takes a number of ticks of a fake clock, and a fake data socket on which
 descriptors arrive at given ticks. Every receive that finds nothing lets one tick pass."""
 
@@ -13,7 +13,7 @@ import zmq
 from dataplane.model_runner import Launched
 from dataplane.worker import _StepLoop
 from proto import codec
-from proto.plane import StepDescriptor, StepResult, int32_column
+from proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult, int32_column
 
 EPOCH = 3
 
@@ -139,7 +139,30 @@ def test_a_cpu_step_is_answered_before_the_next_launch():
     assert log == [("launch", 0), ("wait", 0), ("send", 0), ("launch", 1), ("wait", 1), ("send", 1)]
 
 
-def test_refusals_keep_their_place_and_at_most_two_steps_are_launched():
+def test_two_steps_sent_ahead_are_launched_before_the_oldest_result_and_no_more():
+    """A control plane two steps ahead: three steps launched while the first runs; a fourth, already
+    queued, waits for the oldest result (the runner's pinned result ring holds three)."""
+    log, data, runner, _ = drive([(0, step(s)) for s in range(4)], gpu_ticks=5)
+    assert MAX_STEPS_IN_FLIGHT == 2
+    assert log[:5] == [("launch", 0), ("launch", 1), ("launch", 2), ("wait", 0), ("send", 0)]
+    assert log.index(("launch", 3)) > log.index(("send", 0))
+    assert runner.max_in_flight == 3
+    assert [r.result.sampled_token_ids.tolist() for r in data.sent] == [[100], [101], [102], [103]]
+
+
+def test_pace_reads_the_control_planes_depth_off_the_traffic():
+    from dataplane.worker import _Pace
+
+    pace = _Pace(rank=0, every=1000)
+    for s in (0, 1, 2):  # a burst fills the pipeline: three descriptors before any result
+        pace.received(s)
+    assert pace.depth == 2 and pace.turnaround == []
+    pace.sent_result(0)
+    pace.received(3)  # step 3 came after result 0: the turnaround counts from there
+    assert len(pace.turnaround) == 1 and pace.dry == 0
+
+
+def test_refusals_keep_their_place_and_at_most_three_steps_are_launched():
     arrivals = [(0, step(0)), (0, step(1, epoch=EPOCH + 1)), (0, step(2)), (0, step(3)), (0, step(4))]
     log, data, runner, _ = drive(arrivals, refuse={2})
     assert [r.result.step_id for r in data.sent] == [0, 1, 2, 3, 4]
@@ -148,7 +171,7 @@ def test_refusals_keep_their_place_and_at_most_two_steps_are_launched():
     assert "refused: descriptor of epoch 4" in errors[1] and errors[2] == "refused step 2"
     assert [r.result.sampled_token_ids.tolist() for r in data.sent] == [[100], [], [], [103], [104]]
     assert ("launch", 1) not in log  # another epoch's descriptor never reaches the runner
-    assert runner.max_in_flight <= 2
+    assert runner.max_in_flight <= MAX_STEPS_IN_FLIGHT + 1
     assert not any(r.fatal for r in data.sent)
 
 
