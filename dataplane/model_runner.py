@@ -118,6 +118,8 @@ class ModelRunner:
         # One per step a rank may hold launched (proto.plane): each step's copy has a buffer of its own.
         self.result_buffers = [torch.zeros(cfg.max_num_seqs, dtype=torch.int32).pin_memory()
                                for _ in range(MAX_STEPS_IN_FLIGHT + 1)] if self.device.type == "cuda" else []
+        # Each buffer's copy is marked done by an event of its own, recorded again when the buffer comes round.
+        self.result_events = [torch.cuda.Event() for _ in self.result_buffers]
         self.graphs = self._capture_graphs()
         self.next_step_id = 0
 
@@ -209,7 +211,7 @@ class ModelRunner:
         self.result_slot = (self.result_slot + 1) % len(self.result_buffers)
         host = self.result_buffers[self.result_slot][:n]
         host.copy_(sampled.to(torch.int32), non_blocking=True)
-        done = torch.cuda.Event()
+        done = self.result_events[self.result_slot]
         done.record()
         return Launched(desc.step_id, start, host=host, done=done)
 
