@@ -125,17 +125,18 @@ def timed_rank(control: str, step_s: float) -> None:
     run_rank(DataPlaneConfig(model=""), WorkerOptions(control=control, launch_id=1))
 
 
-def time_critical_path(plane) -> list[float]:
-    """Wrap the plane's submit and collect: for each step s + 2, the seconds from holding step s's
-    result to having sent step s + 2's descriptor. With a step in flight that is the control plane's
-    share of what the GPU waits on (the rank's launch and the two socket hops are the rest)."""
+def time_critical_path(plane, depth: int) -> list[float]:
+    """Wrap the plane's submit and collect: for each step s + d + 1 (d = `depth`, the engine's steps in
+    flight), the seconds from holding step s's result to having sent step s + d + 1's descriptor. That
+    is the control plane's share of what the GPU waits on (the rank's launch and the two socket hops
+    are the rest)."""
     got: dict[int, float] = {}
     spans: list[float] = []
     submit, collect = plane.submit, plane.collect
 
     def timed_submit(desc: StepDescriptor) -> None:
         submit(desc)
-        at = got.pop(desc.step_id - 2, None)
+        at = got.pop(desc.step_id - 1 - depth, None)
         if at is not None and time.perf_counter() - at < 1.0:  # longer: the service was idle
             spans.append(time.perf_counter() - at)
 
@@ -166,6 +167,7 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
 
     async def main() -> None:
         config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
+        depth = 1
         if engine_process:
             from controlplane.engine_process import build_process_server
 
@@ -173,7 +175,8 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
         else:
             plane = RemoteDataPlane(remote, world_size=1) if remote else InstantDataPlane(QWEN3_06B["vocab_size"],
                                                                                           step_s)
-            spans = time_critical_path(plane)
+            depth = getattr(plane, "steps_in_flight", 1)  # as Engine picks it: the config leaves it open
+            spans = time_critical_path(plane, depth)
             server = build_server(config, plane)
         port = await server.start()
         while engine_process and not server.engine.data_plane_ready:  # the engine process attaches the rank
@@ -184,8 +187,9 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
         await server.stop(grace=1.0)
         if spans:
             ms = np.array(spans) * 1e3
-            print(f"| control plane: result s in hand to descriptor s + 2 sent | median {np.median(ms):.3f} ms | "
-                  f"p90 {np.percentile(ms, 90):.3f} ms | max {ms.max():.3f} ms | {len(ms)} steps |", flush=True)
+            print(f"| control plane: result s in hand to descriptor s + {depth + 1} sent | "
+                  f"median {np.median(ms):.3f} ms | p90 {np.percentile(ms, 90):.3f} ms | max {ms.max():.3f} ms | "
+                  f"{len(ms)} steps |", flush=True)
 
     if profile:
         loop_profile.enable()
