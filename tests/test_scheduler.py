@@ -227,6 +227,23 @@ def test_steps_in_flight_give_the_same_outputs(model_dir, num_blocks, depth):
         assert preemptions > 0
 
 
+def test_steps_in_flight_come_from_the_config_or_else_the_data_plane(model_dir):
+    def depth(data_plane_wants: int | None, configured: int) -> int:
+        dp = PositionalDataPlane(64, max_num_seqs=4)
+        if data_plane_wants is not None:
+            dp.steps_in_flight = data_plane_wants
+        cfg = EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=4, steps_in_flight=configured)
+        return Engine(cfg, dp, (EOS,)).steps_in_flight
+
+    assert depth(None, 0) == 1  # a data plane that says nothing gets one
+    assert depth(2, 0) == 2 and depth(2, 1) == 1 and depth(1, 2) == 2
+    sync = Engine(EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=4, steps_in_flight=2),
+                  FakeDataPlane(64, max_num_seqs=4), (EOS,))
+    assert sync.steps_in_flight == 0  # no submit/collect: every step is waited for
+    with pytest.raises(ValueError, match="steps_in_flight must be 0"):
+        EngineConfig(model_dir, steps_in_flight=3)
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_abort_with_steps_in_flight(model_dir, depth):
     outs, _ = run_positional(model_dir, depth=depth, num_blocks=64, abort_after=5)
