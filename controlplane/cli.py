@@ -32,7 +32,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, scheduling_only: bool = Fal
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--steps-in-flight", type=int, default=0,
-                   help="steps sent ahead of the result waited for, up to 2 (0: 1 embedded, 2 over ZeroMQ)")
+                   help="steps sent ahead of the result waited for, up to 2 (0: 2 for GPU ranks over ZeroMQ, else 1)")
     if scheduling_only:
         return
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto")

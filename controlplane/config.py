@@ -27,7 +27,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "torch", "triton", "flash-attn" or "auto"
     seed: int = 0  # seeds the shared sampling generator of rank 0
     # Steps sent ahead of the result the engine waits for (proto.plane.MAX_STEPS_IN_FLIGHT at most);
-    # 0: the data plane's own choice (1 in-process, 2 over ZeroMQ: BENCHMARKS.md, "Two steps in flight").
+    # 0: the data plane's own choice (2 for GPU ranks over ZeroMQ, else 1: BENCHMARKS.md, "One served stream").
     steps_in_flight: int = 0
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
 

@@ -23,7 +23,8 @@ class DataPlaneClient(Protocol):
 
     A client that also has `submit(desc)` and `collect(step_id) -> StepResult` lets the engine keep
     steps in flight: step N+1 (and N+2) is scheduled and sent while step N runs. Its attribute
-    `steps_in_flight`, if any, says how many it wants when the engine config leaves that open.
+    `steps_in_flight`, if any, read after `start`, says how many it wants when the engine config
+    leaves that open.
     """
 
     def start(self) -> list[PlaneInfo]:
@@ -83,10 +84,11 @@ class Engine:
         self.data_plane = data_plane
         can_overlap = hasattr(data_plane, "submit") and hasattr(data_plane, "collect")
         self.overlap = can_overlap if overlap is None else overlap and can_overlap
-        depth = config.steps_in_flight or getattr(data_plane, "steps_in_flight", 1)
-        self.steps_in_flight = min(depth, MAX_STEPS_IN_FLIGHT) if self.overlap else 0
         self.inflight: deque[tuple[SchedulerOutput, int, int]] = deque()  # (output, step id, tokens), oldest first
         self.infos = data_plane.start() if start_timeout is None else data_plane.start(start_timeout)
+        # After start: a data plane may choose by what its ranks run on.
+        depth = config.steps_in_flight or getattr(data_plane, "steps_in_flight", 1)
+        self.steps_in_flight = min(depth, MAX_STEPS_IN_FLIGHT) if self.overlap else 0
         info = self.infos[0]
         self.num_kv_blocks = min(i.num_kv_blocks for i in self.infos)
         self.vocab_size = info.vocab_size

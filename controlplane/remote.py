@@ -75,11 +75,6 @@ PUMP_MAX = 1000
 
 
 class RemoteDataPlane:
-    # A result's way back to the next descriptor crosses processes here (rank -> ZeroMQ -> the engine
-    # process -> ZeroMQ -> the rank's own launch); with one step in flight, at a few rows that path
-    # outlasted the GPU's step on some hosts (BENCHMARKS.md, "Two steps in flight"), so two.
-    steps_in_flight = 2
-
     def __init__(self, address: str, world_size: int | None = None, *, heartbeat_timeout: float = 2.5,
                  step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0):
         """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any."""
@@ -118,6 +113,20 @@ class RemoteDataPlane:
     @property
     def ready(self) -> bool:
         return self._attached is not None
+
+    @property
+    def steps_in_flight(self) -> int:
+        """The engine's steps in flight when its config leaves them open (read after `start`).
+
+        Two for ranks on GPUs: a result's way back to the next descriptor crosses processes here (rank,
+        ZeroMQ, the engine process, ZeroMQ, the rank's own launch), and at a few rows that path outlasted
+        the GPU's step on some hosts (BENCHMARKS.md, "One served stream"). One for CPU ranks, which
+        compute a step while launching it: a second step ahead would gain nothing and cost a wasted step
+        after every stop."""
+        a = self._attached
+        on_gpus = a is not None and all(r.info is not None and r.info.device.startswith("cuda")
+                                        for r in a.ranks.values())
+        return 2 if on_gpus else 1
 
     @property
     def epoch(self) -> int:

@@ -39,7 +39,7 @@ DETECT_BOUND_S = 10.0
 class FakeRank:
     """A rank made of two raw DEALER sockets, so the test decides exactly what goes on the wire."""
 
-    def __init__(self, address: str, launch_id: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, address: str, launch_id: int, rank: int = 0, world_size: int = 1, device: str = "cpu"):
         self.launch_id, self.rank, self.world_size = launch_id, rank, world_size
         self.beat, self.data = zmq.Socket(zmq.Context.instance(), zmq.DEALER), None
         self.beat.connect(address)
@@ -51,7 +51,7 @@ class FakeRank:
         self.thread.start()
         self.data = zmq.Socket(zmq.Context.instance(), zmq.DEALER)
         self.data.connect(address)
-        info = PlaneInfo(rank, world_size, self.epoch, 64, 16, 8, 256, 100, "Fake", "cpu", "float32")
+        info = PlaneInfo(rank, world_size, self.epoch, 64, 16, 8, 256, 100, "Fake", device, "float32")
         self.data.send_multipart(codec.encode_control(codec.Ready(launch_id, info)))
 
     def _beat(self) -> None:
@@ -77,6 +77,19 @@ class FakeRank:
 def decode_step(step_id: int, epoch: int) -> StepDescriptor:
     return StepDescriptor(step_id, epoch, slots=int32_column([2]), num_computed=int32_column([9]),
                           num_scheduled=int32_column([1]), appended_offsets=int32_column([0, 0]))
+
+
+@pytest.mark.parametrize("device, expected", [("cuda:0", 2), ("cpu", 1)])
+def test_steps_in_flight_follow_what_the_ranks_run_on(device, expected):
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=5)
+    try:
+        assert client.steps_in_flight == 1  # nothing attached yet
+        fake = FakeRank(client.address, launch_id=12, device=device)
+        client.start(timeout=5)
+        assert client.steps_in_flight == expected
+        fake.close()
+    finally:
+        client.close()
 
 
 def test_protocol_with_fake_ranks():

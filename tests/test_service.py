@@ -73,9 +73,13 @@ def embedded_tokens(tiny_models) -> list[list[int]]:
 
 # The engine runs in its own process by default (tests/test_engine_process.py covers it at TP=1 with
 # bad input and a killed engine process); "0" keeps it in the serving process, the other layout.
-@pytest.mark.parametrize("tp, engine_process", [(2, "1"), (1, "0")])
-def test_streams_equal_the_embedded_engine(tiny_models, embedded_tokens, tp, engine_process, monkeypatch):
+# CPU ranks get one step in flight unless told otherwise; "2" runs the GPU ranks' default here.
+@pytest.mark.parametrize("tp, engine_process, steps_in_flight", [(2, "1", ""), (1, "0", ""), (1, "1", "2")])
+def test_streams_equal_the_embedded_engine(tiny_models, embedded_tokens, tp, engine_process, steps_in_flight,
+                                           monkeypatch):
     monkeypatch.setenv("NANOPLANE_ENGINE_PROCESS", engine_process)  # serve and its children inherit it
+    if steps_in_flight:
+        monkeypatch.setenv("NANOPLANE_STEPS_IN_FLIGHT", steps_in_flight)
     server = Server(tiny_models["qwen3"], tp)
     try:
         assert server.client.model_info().tensor_parallel_size == tp
