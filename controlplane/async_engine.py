@@ -330,7 +330,9 @@ class AsyncEngine:
             self._notify(False)
 
     def _set_ready(self) -> None:
-        log.info("the data plane is ready again")
+        engine = self.engine
+        log.info("the data plane is ready again: %d rank(s) on %s, %d step(s) in flight", len(engine.infos),
+                 engine.infos[0].device, engine.steps_in_flight)
         self._ready, self._unready_reason = True, ""
         self._notify(True)
 
