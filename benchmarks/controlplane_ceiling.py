@@ -96,8 +96,10 @@ class TimedRunner:
         self.busy_until = 0.0
 
     def info(self) -> PlaneInfo:
+        # It stands in for a GPU rank (its launch queues the step and returns), so it says so: the control
+        # plane then keeps as many steps in flight as it would for one (RemoteDataPlane.steps_in_flight).
         return PlaneInfo(0, 1, self.cfg.epoch, self.num_kv_blocks, self.block_size, 256, 4096, self.vocab_size,
-                         "TimedRunner", "cpu", "bfloat16")
+                         "TimedRunner", "cuda:emulated", "bfloat16")
 
     def launch(self, desc: StepDescriptor):
         from dataplane.model_runner import Launched
@@ -125,18 +127,24 @@ def timed_rank(control: str, step_s: float) -> None:
     run_rank(DataPlaneConfig(model=""), WorkerOptions(control=control, launch_id=1))
 
 
-def time_critical_path(plane, depth: int) -> list[float]:
-    """Wrap the plane's submit and collect: for each step s + d + 1 (d = `depth`, the engine's steps in
-    flight), the seconds from holding step s's result to having sent step s + d + 1's descriptor. That
-    is the control plane's share of what the GPU waits on (the rank's launch and the two socket hops
-    are the rest)."""
+def steps_in_flight(plane) -> int:
+    """The engine's steps in flight over this plane, as Engine picks them when the config leaves them
+    open (a remote plane knows only once its rank has attached)."""
+    return getattr(plane, "steps_in_flight", 1)
+
+
+def time_critical_path(plane) -> list[float]:
+    """Wrap the plane's submit and collect: for each step s + d + 1 (d: the engine's steps in flight),
+    the seconds from holding step s's result to having sent step s + d + 1's descriptor. That is the
+    control plane's share of what the GPU waits on (the rank's launch and the two socket hops are the
+    rest)."""
     got: dict[int, float] = {}
     spans: list[float] = []
     submit, collect = plane.submit, plane.collect
 
     def timed_submit(desc: StepDescriptor) -> None:
         submit(desc)
-        at = got.pop(desc.step_id - 1 - depth, None)
+        at = got.pop(desc.step_id - 1 - steps_in_flight(plane), None)
         if at is not None and time.perf_counter() - at < 1.0:  # longer: the service was idle
             spans.append(time.perf_counter() - at)
 
@@ -167,7 +175,6 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
 
     async def main() -> None:
         config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
-        depth = 1
         if engine_process:
             from controlplane.engine_process import build_process_server
 
@@ -175,8 +182,7 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
         else:
             plane = RemoteDataPlane(remote, world_size=1) if remote else InstantDataPlane(QWEN3_06B["vocab_size"],
                                                                                           step_s)
-            depth = getattr(plane, "steps_in_flight", 1)  # as Engine picks it: the config leaves it open
-            spans = time_critical_path(plane, depth)
+            spans = time_critical_path(plane)
             server = build_server(config, plane)
         port = await server.start()
         while engine_process and not server.engine.data_plane_ready:  # the engine process attaches the rank
@@ -184,6 +190,7 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
         port_queue.put(port)
         while not stop_event.is_set():
             await asyncio.sleep(0.05)
+        depth = 1 if engine_process else steps_in_flight(plane)  # before the stop detaches the rank
         await server.stop(grace=1.0)
         if spans:
             ms = np.array(spans) * 1e3
