@@ -75,7 +75,7 @@ def unpack_output(request_id: str, packed: tuple) -> Output:
 def engine_main(config: EngineConfig, data_plane_address: str, commands_address: str, events_address: str,
                 eos_token_ids: tuple[int, ...], recover_interval_s: float, attach_timeout_s: float) -> None:
     """The engine process's body: serve the commands until "stop" or the serving process's exit."""
-    from controlplane.remote import EXIT_RESTART, RemoteDataPlane
+    from controlplane.remote import EXIT_RESTART, RemoteDataPlane, terminate
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
@@ -159,7 +159,7 @@ def engine_main(config: EngineConfig, data_plane_address: str, commands_address:
         events.close()
         beats.close()
         commands.close(linger=0)
-        ctx.term()
+        terminate(ctx, "engine")
 
 
 def _freeze_startup_objects() -> None:

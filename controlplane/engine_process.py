@@ -46,7 +46,7 @@ from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.engine_child import EngineFacts, engine_main, unpack_output
 from controlplane.errors import DataPlaneUnavailable
-from controlplane.remote import STALL_S
+from controlplane.remote import STALL_S, terminate
 from controlplane.sampling_params import SamplingParams
 from controlplane.server import GenerationServer
 from controlplane.stream import EngineStatus, Output, Stream, read_stream, wait_for_free_id
@@ -188,7 +188,7 @@ class EngineClient:
         self._call(self._fail_all, (DataPlaneUnavailable("the server is shutting down"), None))
         self._commands.close(linger=0)
         self._events.close(linger=0)
-        self._ctx.term()
+        terminate(self._ctx, "engine-process")
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # ---- internals -------------------------------------------------------------------------------

@@ -35,8 +35,23 @@ EXIT_CONFIG = 2  # a launch this control plane can never use (wrong world size):
 DEFAULT_STEP_TIMEOUT_S = 120.0  # NANOPLANE_STEP_TIMEOUT overrides it; keep it above the slowest legitimate step
 
 log = logging.getLogger("nanoplane.remote")
+TERM_WAIT_S = 3.0  # how long `terminate` waits for ZeroMQ before it gives up on a context
 
 
+def terminate(ctx: zmq.Context, what: str) -> None:
+    """Terminate a context whose sockets are closed, waiting at most TERM_WAIT_S.
+
+    libzmq 4.3.5 can hang in zmq_ctx_term for good, whatever the linger, when a message went to a peer
+    that was disconnecting at that moment (a rank or an engine process that had just exited): a loop of
+    attach, peer exit, Shutdown, close hung in about one close of five. A process that stops must not
+    hang on that, so the wait runs in a daemon thread and is abandoned, with a warning, if it lasts; the
+    context's threads then end with the process."""
+    waiter = threading.Thread(target=ctx.term, name=f"nanoplane-term-{what}", daemon=True)
+    waiter.start()
+    waiter.join(TERM_WAIT_S)
+    if waiter.is_alive():
+        log.warning("ZeroMQ did not release the %s sockets within %.0fs; left to the process's exit",
+                    what, TERM_WAIT_S)
 
 
 @dataclass(slots=True)
@@ -216,7 +231,7 @@ class RemoteDataPlane:
             self._failure = "the data-plane client is closed"
             self._sock.close(linger=1000 if stop_data_plane else 0)
         self._watcher.join(timeout=5)
-        self._ctx.term()
+        terminate(self._ctx, "data-plane")
 
     # Everything below runs with self._lock held.
 
