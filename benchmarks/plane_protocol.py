@@ -24,7 +24,7 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from controlplane.remote import RemoteDataPlane  # noqa: E402
+from controlplane.remote import RemoteDataPlane, terminate  # noqa: E402
 from proto import codec  # noqa: E402
 from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column  # noqa: E402
 
@@ -102,7 +102,7 @@ def raw_round_trip(desc: StepDescriptor, iters: int, address: str) -> np.ndarray
     finally:
         proc.kill()
         sock.close(0)
-        ctx.term()
+        terminate(ctx, "round-trip")
 
 
 def remote_round_trip(desc: StepDescriptor, iters: int, address: str) -> np.ndarray:
