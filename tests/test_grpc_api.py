@@ -165,24 +165,24 @@ def test_64_concurrent_streams(server, client):
     wait_idle(client)
 
 
-def test_cancel_and_deadline_free_blocks(client, server, monkeypatch):
+def test_cancel_and_deadline_free_blocks(model):
     # On an idle machine the tiny model makes 200 tokens in under 0.3 s, and a call could end before
-    # its cancel or its deadline: 10 ms a step makes it last at least 2 s whatever the machine.
-    collect = server.plane.collect
-
-    def slow_collect(step_id: int):
-        time.sleep(0.01)
-        return collect(step_id)
-    monkeypatch.setattr(server.plane, "collect", slow_collect)
-    stream = client.generate(PROMPTS[0], max_tokens=200, ignore_eos=True)
-    next(stream), next(stream)
-    status = client.server_status()
-    assert status.running_requests == 1 and status.kv_blocks_used > 0
-    stream.close()  # cancels the call
-    wait_idle(client, timeout=5)
-    err = rpc_error(lambda: list(client.generate(PROMPTS[1], max_tokens=200, ignore_eos=True, timeout=0.3)))
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_idle(client, timeout=5)
+    # its cancel or its deadline: a slow data plane (10 ms a step) makes it last 2 s whatever the machine.
+    s = ServerThread(model, flaky=True)
+    s.plane.delay = 0.01
+    try:
+        with Client(s.address) as client:
+            stream = client.generate(PROMPTS[0], max_tokens=200, ignore_eos=True)
+            next(stream), next(stream)
+            status = client.server_status()
+            assert status.running_requests == 1 and status.kv_blocks_used > 0
+            stream.close()  # cancels the call
+            wait_idle(client, timeout=5)
+            err = rpc_error(lambda: list(client.generate(PROMPTS[1], max_tokens=200, ignore_eos=True, timeout=0.3)))
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_idle(client, timeout=5)
+    finally:
+        s.stop()
 
 
 @pytest.mark.parametrize("request_kwargs, message", [
