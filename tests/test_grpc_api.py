@@ -1,91 +1,25 @@
 """The public gRPC API end to end: a real grpc.aio server on 127.0.0.1 (ephemeral port), a tiny
-random model, the in-process data plane, and the Python client library."""
+random model, the in-process data plane, and the Python client library. What happens when calls
+are cancelled or the data plane fails: tests/test_grpc_failures.py."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_server import BLOCKS, MAX_LEN, PROMPTS, ServerThread, rpc_error, wait_idle
 from tiny_models import make_tiny_model
 
 from clients import AsyncClient, Client
-from controlplane.config import EngineConfig
-from controlplane.engine import Engine
-from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
 from controlplane.llm import LLM
 from controlplane.sampling_params import SamplingParams
-from controlplane.server import SERVICE, build_server
-from controlplane.stream import REQUEST_ID_GRACE_S, wait_for_free_id
-from dataplane.config import DataPlaneConfig
-from dataplane.local import LocalDataPlane
+from controlplane.server import SERVICE
 from proto.nanoplane.v1 import generation_pb2 as pb
 from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
-
-PROMPTS = ["héllo wörld ☃ 東京 🙂", "the quick brown fox", "paged attention keeps"]
-MAX_LEN, BLOCKS, SEQS = 256, 256, 64
-
-
-class FlakyDataPlane:
-    """LocalDataPlane that can lose step results, as a crashed transport would."""
-
-    def __init__(self, inner: LocalDataPlane):
-        self.inner, self.fail = inner, False
-        self.error: type[Exception] = ConnectionError
-        self.delay = 0.0  # seconds each step takes longer (a slow data plane)
-
-    def start(self):
-        return self.inner.start()
-
-    def execute(self, desc):
-        time.sleep(self.delay)
-        result = self.inner.execute(desc)  # the rank computed the step; only the answer is lost
-        if self.fail:
-            raise self.error("rank 0 stopped answering")
-        return result
-
-    def close(self):
-        self.inner.close()
-
-
-class ServerThread:
-    """A server on its own event loop in a daemon thread, so tests can use the blocking client."""
-
-    def __init__(self, model: str, flaky: bool = False):
-        cfg = EngineConfig(model, device="cpu", max_model_len=MAX_LEN, num_kvcache_blocks=BLOCKS, max_num_seqs=SEQS)
-        plane = LocalDataPlane(DataPlaneConfig(model=model, device="cpu", max_num_seqs=SEQS, max_model_len=MAX_LEN,
-                                               block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
-        self.plane = FlakyDataPlane(plane) if flaky else plane
-        self.restarts = 0
-        self.server = build_server(cfg, self.plane, recover=self.restart if flaky else None, recover_interval_s=0.05)
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            started.set()
-            self.loop.run_forever()
-
-        threading.Thread(target=run, daemon=True).start()
-        assert started.wait(60)
-        self.address = f"127.0.0.1:{self.server.port}"
-
-    def restart(self, old: Engine) -> Engine | None:
-        """The recover hook: once the plane works again, a new engine over a restarted rank 0 (fresh
-        model runner, step 0), as a transport re-attaching to a restarted launch would give."""
-        if self.plane.fail:
-            return None
-        self.restarts += 1
-        return Engine(old.config, old.data_plane, tuple(old.scheduler.eos_token_ids))
-
-    def stop(self, grace: float = 1.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")
@@ -119,23 +53,6 @@ def llm(model):
     llm.close()
 
 
-def wait_idle(client: Client, timeout: float = 10.0) -> pb.ServerStatus:
-    """Poll until no request holds blocks; fails the test if that does not happen in time."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = client.server_status()
-        if status.kv_blocks_used == 0 and status.running_requests == 0 and status.waiting_requests == 0:
-            return status
-        assert time.monotonic() < deadline, f"requests still hold blocks: {status}"
-        time.sleep(0.02)
-
-
-def rpc_error(fn) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
-        fn()
-    return info.value
-
-
 def test_greedy_stream_matches_embedded_llm(client, llm):
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     for prompt, want in zip(PROMPTS, expected, strict=True):
@@ -163,26 +80,6 @@ def test_64_concurrent_streams(server, client):
     assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in done)
     assert all(c.usage.completion_tokens == 12 for c in done)
     wait_idle(client)
-
-
-def test_cancel_and_deadline_free_blocks(model):
-    # On an idle machine the tiny model makes 200 tokens in under 0.3 s, and a call could end before
-    # its cancel or its deadline: a slow data plane (10 ms a step) makes it last 2 s whatever the machine.
-    s = ServerThread(model, flaky=True)
-    s.plane.delay = 0.01
-    try:
-        with Client(s.address) as client:
-            stream = client.generate(PROMPTS[0], max_tokens=200, ignore_eos=True)
-            next(stream), next(stream)
-            status = client.server_status()
-            assert status.running_requests == 1 and status.kv_blocks_used > 0
-            stream.close()  # cancels the call
-            wait_idle(client, timeout=5)
-            err = rpc_error(lambda: list(client.generate(PROMPTS[1], max_tokens=200, ignore_eos=True, timeout=0.3)))
-            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            wait_idle(client, timeout=5)
-    finally:
-        s.stop()
 
 
 @pytest.mark.parametrize("request_kwargs, message", [
@@ -234,45 +131,6 @@ def test_unimplemented_parameters_are_refused(stub, field, value):
     err = rpc_error(lambda: list(stub.Generate(request)))
     assert err.code() == grpc.StatusCode.UNIMPLEMENTED
     assert field in err.details()
-
-
-def test_duplicate_request_id(client, monkeypatch):
-    # No grace for a cancelled holder of the id: the first stream (200 tokens) may end within it.
-    monkeypatch.setattr("controlplane.stream.REQUEST_ID_GRACE_S", 0.0)
-    first = client.generate(PROMPTS[0], request_id="dup", max_tokens=200, ignore_eos=True)
-    assert next(first).request_id == "dup"
-    err = rpc_error(lambda: list(client.generate(PROMPTS[1], request_id="dup", max_tokens=4)))
-    assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "dup" in err.details()
-    first.close()
-    wait_idle(client)
-    assert {c.request_id for c in client.generate(PROMPTS[1], request_id="dup", max_tokens=2)} == {"dup"}
-
-
-def test_a_cancelled_calls_request_id_is_free_for_its_retry(client):
-    # What a mesh does after a per-try timeout: cancel, then send again at once with the same id.
-    # The new call may arrive before the cancelled one's handler has let go of the id.
-    for i in range(10):
-        first = client.generate(PROMPTS[0], request_id=f"retry{i}", max_tokens=200, ignore_eos=True)
-        next(first)
-        first.close()
-        retry = list(client.generate(PROMPTS[1], request_id=f"retry{i}", max_tokens=2, ignore_eos=True))
-        assert {c.request_id for c in retry} == {f"retry{i}"} and retry[-1].finish_reason == "length"
-    wait_idle(client)
-
-
-def test_a_request_id_waits_out_its_grace_then_is_refused():
-    async def run():
-        streams = {"held": object(), "freed": object()}
-        asyncio.get_running_loop().call_later(0.05, streams.pop, "freed")
-        start = time.monotonic()
-        await wait_for_free_id(streams, "freed")  # let go of within the grace: taken
-        freed = time.monotonic() - start
-        with pytest.raises(RequestIdInUse, match="held"):
-            await wait_for_free_id(streams, "held")
-        return freed, time.monotonic() - start - freed
-
-    freed, refused = asyncio.run(run())
-    assert 0.04 < freed < REQUEST_ID_GRACE_S and REQUEST_ID_GRACE_S - 0.01 < refused < REQUEST_ID_GRACE_S + 0.2
 
 
 def test_tokenizing_does_not_stall_the_event_loop(server, client, monkeypatch):
@@ -389,118 +247,6 @@ def test_garbage_bytes_and_unknown_fields(server, client):
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not parse" in err.details()
     assert len(client.generate_text("the quick", max_tokens=3, ignore_eos=True)) > 0
     wait_idle(client)
-
-
-def test_streams_open_at_shutdown_are_told_why_they_end(model, caplog):
-    """Streams still running when the shutdown grace ends get UNAVAILABLE "the server is shutting
-    down" from the server, not gRPC's cancellation, and the log gets no traceback for them."""
-    s = ServerThread(model, flaky=True)
-    s.plane.delay = 0.05  # a generation of 100 tokens outlasts the grace
-    errors: list[grpc.RpcError] = []
-    try:
-        with Client(s.address) as c:
-            streams = [c.generate(p, max_tokens=100, ignore_eos=True) for p in PROMPTS[:2]]
-            for stream in streams:
-                next(stream)
-            stopped_at = time.monotonic()
-            s.stop(grace=0.3)
-            for stream in streams:
-                errors.append(rpc_error(lambda stream=stream: list(stream)))
-    finally:
-        s.loop.call_soon_threadsafe(s.loop.stop)
-    assert time.monotonic() - stopped_at < 10
-    for err in errors:
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
-    assert not [r for r in caplog.records if r.levelname == "ERROR"]
-
-
-def wait_health(client: Client, want: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while client.health() != want:
-        assert time.monotonic() < deadline, f"health never became {want}"
-        time.sleep(0.02)
-
-
-@pytest.mark.parametrize("error", [ConnectionError, DataPlaneUnavailable])
-def test_data_plane_failure_and_recovery(model, error, caplog):
-    s = ServerThread(model, flaky=True)
-    s.plane.error = error
-    try:
-        with Client(s.address) as c:
-            stream = c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True)
-            next(stream)
-            s.plane.fail = True
-            err = rpc_error(lambda: list(stream))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE and "rank 0 stopped answering" in err.details()
-            # A lost data plane is an operational event, logged in a line; anything else is a bug,
-            # logged with its traceback.
-            failed = [r for r in caplog.records if r.getMessage().startswith("engine step failed")]
-            assert failed, "the failed step was not logged"
-            want = ("WARNING", False) if error is DataPlaneUnavailable else ("ERROR", True)
-            assert [(r.levelname, r.exc_info is not None) for r in failed] == [want] * len(failed)
-            err = rpc_error(lambda: list(c.generate(PROMPTS[1], max_tokens=4)))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE and "not available" in err.details()
-            status = c.server_status()
-            assert not status.data_plane_ready and status.kv_blocks_used == 0 and status.running_requests == 0
-            assert c.health() == "NOT_SERVING" and c.health(SERVICE) == "NOT_SERVING"
-            s.plane.fail = False  # the recover hook now succeeds
-            wait_health(c, "SERVING")
-            assert s.restarts == 1 and s.server.engine.engine.step_id == 0
-            assert len([t for ch in c.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
-    finally:
-        s.stop()
-
-
-def test_a_bug_in_the_engine_loop_ends_the_streams_instead_of_the_thread(model, caplog):
-    """An unexpected error in the engine thread's loop (here its status snapshot raises once) must
-    not kill the thread with streams waiting on it: they end with UNAVAILABLE, the error is logged with
-    its traceback, and the engine re-attaches and serves again."""
-    s = ServerThread(model, flaky=True)
-    engine = s.server.engine
-    try:
-        with Client(s.address) as c:
-            stream = c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True, timeout=30)  # no hang if it breaks
-            next(stream)
-            snapshot = engine._snapshot
-
-            def broken():
-                engine._snapshot = snapshot  # once
-                raise RuntimeError("a bug")
-
-            engine._snapshot = broken
-            err = rpc_error(lambda: list(stream))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE
-            assert "the engine failed: RuntimeError: a bug" in err.details()
-            assert any(r.levelname == "ERROR" and r.exc_info for r in caplog.records)
-            wait_health(c, "SERVING")
-            assert s.restarts == 1 and engine._thread.is_alive()
-            assert len([t for ch in c.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
-    finally:
-        s.stop()
-
-
-def test_readiness_pushed_by_transport(server, client):
-    """set_data_plane_ready: the push-style hook (e.g. a heartbeat lost while idle, then regained)."""
-    server.server.engine.set_data_plane_ready(False, "rank 1 missed its heartbeats")
-    wait_health(client, "NOT_SERVING")
-    err = rpc_error(lambda: list(client.generate(PROMPTS[0], max_tokens=2)))
-    assert err.code() == grpc.StatusCode.UNAVAILABLE and "heartbeats" in err.details()
-    server.server.engine.set_data_plane_ready(True)
-    wait_health(client, "SERVING")
-    assert client.generate_text(PROMPTS[0], max_tokens=2, ignore_eos=True) is not None
-
-
-def test_server_side_abort(server, client):
-    stream = client.generate(PROMPTS[0], request_id="to-abort", max_tokens=200, ignore_eos=True)
-    next(stream)
-    aborted = asyncio.run_coroutine_threadsafe(_abort(server, "to-abort"), server.loop).result(5)
-    assert aborted
-    assert list(stream)[-1].finish_reason == "abort"
-    wait_idle(client)
-
-
-async def _abort(server: ServerThread, request_id: str) -> bool:
-    return server.server.engine.abort(request_id)  # AsyncEngine.abort belongs to the event loop thread
 
 
 def test_idle_engine_thread_sleeps(server, client):

@@ -1,0 +1,117 @@
+"""A gRPC server on a tiny model in a thread of the test process, and the waits the gRPC tests share
+(tests/test_grpc_api.py: the API as clients use it; tests/test_grpc_failures.py: what goes wrong)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import pytest
+
+from clients import Client
+from controlplane.config import EngineConfig
+from controlplane.engine import Engine
+from controlplane.server import build_server
+from dataplane.config import DataPlaneConfig
+from dataplane.local import LocalDataPlane
+from proto.nanoplane.v1 import generation_pb2 as pb
+
+PROMPTS = ["héllo wörld ☃ 東京 🙂", "the quick brown fox", "paged attention keeps"]
+MAX_LEN, BLOCKS, SEQS = 256, 256, 64
+
+
+class FlakyDataPlane:
+    """LocalDataPlane that can lose step results, as a crashed transport would."""
+
+    def __init__(self, inner: LocalDataPlane):
+        self.inner, self.fail = inner, False
+        self.error: type[Exception] = ConnectionError
+        self.delay = 0.0  # seconds each step takes longer (a slow data plane)
+
+    def start(self):
+        return self.inner.start()
+
+    def execute(self, desc):
+        time.sleep(self.delay)
+        result = self.inner.execute(desc)  # the rank computed the step; only the answer is lost
+        if self.fail:
+            raise self.error("rank 0 stopped answering")
+        return result
+
+    def close(self):
+        self.inner.close()
+
+
+class ServerThread:
+    """A server on its own event loop in a daemon thread, so tests can use the blocking client."""
+
+    def __init__(self, model: str, flaky: bool = False):
+        cfg = EngineConfig(model, device="cpu", max_model_len=MAX_LEN, num_kvcache_blocks=BLOCKS, max_num_seqs=SEQS)
+        plane = LocalDataPlane(DataPlaneConfig(model=model, device="cpu", max_num_seqs=SEQS, max_model_len=MAX_LEN,
+                                               block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
+        self.plane = FlakyDataPlane(plane) if flaky else plane
+        self.restarts = 0
+        self.server = build_server(cfg, self.plane, recover=self.restart if flaky else None, recover_interval_s=0.05)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start())
+            started.set()
+            self.loop.run_forever()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert started.wait(60)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def restart(self, old: Engine) -> Engine | None:
+        """The recover hook: once the plane works again, a new engine over a restarted rank 0 (fresh
+        model runner, step 0), as a transport re-attaching to a restarted launch would give."""
+        if self.plane.fail:
+            return None
+        self.restarts += 1
+        return Engine(old.config, old.data_plane, tuple(old.scheduler.eos_token_ids))
+
+    def stop(self, grace: float = 1.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def wait_idle(client: Client, timeout: float = 10.0) -> pb.ServerStatus:
+    """Poll until no request holds blocks; fails the test if that does not happen in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.server_status()
+        if status.kv_blocks_used == 0 and status.running_requests == 0 and status.waiting_requests == 0:
+            return status
+        assert time.monotonic() < deadline, f"requests still hold blocks: {status}"
+        time.sleep(0.02)
+
+
+def rpc_error(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value
+
+
+def wait_health(client: Client, want: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while client.health() != want:
+        assert time.monotonic() < deadline, f"health never became {want}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def serving(model: str, flaky: bool = False) -> Iterator[tuple[ServerThread, Client]]:
+    """A server of its own and a client of it, for a test that breaks or slows what it serves."""
+    s = ServerThread(model, flaky)
+    try:
+        with Client(s.address) as client:
+            yield s, client
+    finally:
+        s.stop()
