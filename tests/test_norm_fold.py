@@ -19,7 +19,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from test_kernels import DEV, TOL, check_qkv_prologue, rel_err  # noqa: E402
+from kernel_checks import DEV, TOL, rel_err  # noqa: E402
+from test_kernels import check_qkv_prologue  # noqa: E402
 
 from kernels import reference as ref  # noqa: E402
 from kernels import silu_and_mul, skinny_gemm  # noqa: E402
