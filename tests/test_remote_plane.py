@@ -278,8 +278,6 @@ def test_malformed_messages_are_logged_at_most_once_a_second(idle_client, caplog
 
 
 def test_retired_launches_are_remembered_up_to_a_bound(idle_client, monkeypatch):
-    import controlplane.remote as remote
-
     monkeypatch.setattr(remote, "RETIRED_KEPT", 4)
     client, peer = idle_client
 
@@ -297,8 +295,6 @@ def test_retired_launches_are_remembered_up_to_a_bound(idle_client, monkeypatch)
 
 
 def test_a_flood_on_the_port_is_drained_in_batches(idle_client, monkeypatch):
-    import controlplane.remote as remote
-
     monkeypatch.setattr(remote, "PUMP_MAX", 5)
     client, junk = idle_client
     with client._lock:  # the watcher thread cannot drain them meanwhile
