@@ -37,7 +37,15 @@ class Case:
 
     def wrong(self, y: torch.Tensor) -> bool:
         """Whether y (y0 plus one call on the first layer's weight) is off by more than cuBLAS's error allows."""
-        return self.error(y) > 4 * self.ref_err + 1e-2
+        return self.error(y) > self.bound()
+
+    def wrong_product(self, product: torch.Tensor) -> bool:
+        """Whether `product` (x @ w^T on the first layer's weight, no residual) is off by more than that."""
+        want = self.x.float() @ self.weights[0].float().t()
+        return (product.float() - want).abs().max().item() > self.bound()
+
+    def bound(self) -> float:
+        return 4 * self.ref_err + 1e-2
 
     def checks(self, addmm_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], object], label: str) -> bool:
         """Whether one call of `addmm_(y, x, weight, layer)` on the first layer gives y0 + x @ w^T within
