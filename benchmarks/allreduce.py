@@ -7,18 +7,16 @@ Each size is timed inside a CUDA graph of 20 calls (as the decode graph runs the
 to back. Floor: the bytes one rank must read from its peer over NVLink, at the link's ~450 GB/s one
 way (NV18 on an H200 host).
 
-    python benchmarks/allreduce.py            # needs two CUDA GPUs
+    python -m benchmarks.allreduce            # needs two CUDA GPUs
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 HIDDEN = 4096  # Qwen3-8B
 ROWS = (1, 16, 64, 128, 256, 512, 1024, 2048)
@@ -96,6 +94,7 @@ def worker(rank: int, port: int) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     from dataplane.launcher import free_port
 
     if torch.cuda.device_count() < 2:

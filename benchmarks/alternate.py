@@ -1,15 +1,16 @@
 """Whole benchmark runs alternated between variants, in one call on one machine.
 
-    python benchmarks/alternate.py --variant k64: --variant k32:NANOPLANE_SKINNY_MAX_ROWS=32 --rounds 2
-    python benchmarks/alternate.py --variant new: --variant old:@.ab/old -- --shape 8b
+    python -m benchmarks.alternate --variant k64: --variant k32:NANOPLANE_SKINNY_MAX_ROWS=32 --rounds 2
+    python -m benchmarks.alternate --variant new: --variant old:@.ab/old -- --shape 8b
 
-Two one-H200 machines differ by ~1.5% on the same code, and runs within one call by ~0.2%
-(BENCHMARKS.md), so a change worth less than a few percent shows only against the code before it,
-run by turns in the same call: A B A B, never A A B B (a call's first run is often its slowest).
+Two one-H200 machines differ by ~1.5% on the same code, and runs within one call by ~0.2%, so a
+change worth less than a few percent shows only against the code before it, run by turns in the same
+call: A B A B, never A A B B (a call's first run is often its slowest).
 
 A variant is NAME:SETTINGS. SETTINGS is empty (the tree as it is), comma-separated ENV=VALUE pairs
 set for its runs, or @DIR: the benchmark of another tree, e.g. `git archive <commit> | tar -x -C DIR`
-(DIR relative to the repository root). Arguments after `--` go to every run. Each run's output is
+(DIR relative to the repository root; a tree from before `benchmarks` was a package runs its
+benchmarks/throughput.py as a script). Arguments after `--` go to every run. Each run's output is
 kept under --out; the table at the end gives every run's tokens/s and seconds by kind of step, then
 each variant's mean against the first variant's.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = "benchmarks/throughput.py"
+SCRIPT = "benchmarks.throughput"  # a module run with -m, or a .py file run as a script
 # throughput.py's result row ("| embedded 0.6b TP=1 | tokens | seconds | tok/s | ...") and its
 # rows of seconds by kind of step ("| decode 17-64 rows | steps | seconds | ...").
 RESULT = re.compile(r"^\| (embedded|service) [^|]*\| \d+ \| [\d.]+ \| ([\d,]+) \|", re.M)
@@ -49,8 +50,8 @@ class Variant:
             raise ValueError(f"variant {spec!r}: expected NAME:SETTINGS, e.g. base: or k32:NANOPLANE_X=32")
         if settings.startswith("@"):
             tree = (ROOT / settings[1:]).resolve()
-            if not (tree / SCRIPT).is_file():
-                raise ValueError(f"variant {name!r}: {tree / SCRIPT} does not exist")
+            if not (tree / script_file(SCRIPT)).is_file():
+                raise ValueError(f"variant {name!r}: {tree / script_file(SCRIPT)} does not exist")
             return cls(name, tree=tree)
         env = {}
         for pair in filter(None, settings.split(",")):
@@ -68,6 +69,19 @@ class Run:
     seconds: dict[str, float]  # by kind of step
 
 
+def script_file(script: str) -> Path:
+    """The file behind SCRIPT: benchmarks.throughput -> benchmarks/throughput.py."""
+    return Path(script) if script.endswith(".py") else Path(*script.split(".")).with_suffix(".py")
+
+
+def command(tree: Path, script: str) -> list[str]:
+    """How to run `script` in `tree`: -m where its folder is a package, else the file itself (older trees)."""
+    path = script_file(script)
+    if script.endswith(".py") or not (tree / path.parent / "__init__.py").is_file():
+        return [sys.executable, str(path)]
+    return [sys.executable, "-m", script]
+
+
 def parse_output(variant: str, text: str) -> Run:
     result = RESULT.findall(text)
     tok_s = float(result[-1][1].replace(",", "")) if result else None
@@ -79,7 +93,7 @@ def run_once(variant: Variant, extra: list[str], log: Path, script: str, timeout
     env = {**os.environ, **variant.env}
     with open(log, "w") as out:
         # A session of its own: a service-mode run's server and ranks go with it when it is killed.
-        proc = subprocess.Popen([sys.executable, script, *extra], cwd=variant.tree, env=env, stdout=out,
+        proc = subprocess.Popen([*command(variant.tree, script), *extra], cwd=variant.tree, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", action="append", required=True, help="NAME:SETTINGS (at least two)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, taken in turns")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/nanoplane-alternate"), help="logs")
-    parser.add_argument("--script", default=SCRIPT, help="the benchmark, relative to each tree")
+    parser.add_argument("--script", default=SCRIPT, help="a module (run with -m) or a .py file, in each tree")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a run may take before it is killed")
     args = parser.parse_args(ours)
     try:

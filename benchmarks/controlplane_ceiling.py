@@ -7,7 +7,7 @@ benchmarks/throughput.py (256 streams from one client process, nano-vllm's promp
 lengths, the same tokenizer and vocabulary); the "data plane" samples uniform random ids and may be
 told to take `--step-ms` per step, as a GPU would.
 
-    python benchmarks/controlplane_ceiling.py [--step-ms 0] [--profile] [--remote [--engine-process]]
+    python -m benchmarks.controlplane_ceiling [--step-ms 0] [--profile] [--remote [--engine-process]]
 
 `--remote` puts the real ZeroMQ path in between: the control plane binds as `nanoplane serve` does and
 a rank process (dataplane/worker.py's loop) answers, its model runner only emulating the step time.
@@ -24,19 +24,14 @@ import io
 import json
 import multiprocessing as mp
 import pstats
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from throughput import QWEN3_06B, drive_streams, one_stream, warmup_workload, workload  # noqa: E402
-
-from proto.plane import PlaneInfo, StepDescriptor, StepResult  # noqa: E402
+from benchmarks.throughput import QWEN3_06B, drive_streams, one_stream, warmup_workload, workload
+from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 
 class InstantDataPlane:
@@ -220,8 +215,7 @@ def main() -> None:
     args = p.parse_args()
     if args.engine_process and not args.remote:
         p.error("--engine-process needs --remote")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_models import make_tokenizer
+    from tests.tiny_models import make_tokenizer
 
     with tempfile.TemporaryDirectory() as model_dir:
         make_tokenizer(Path(model_dir))  # what the GPU benchmark's random checkpoint uses

@@ -12,7 +12,7 @@ and whether the single stream's greedy tokens are equal on both sides (float32 o
 should be, token for token). The issue's target, measured on a 2-core machine: transformers made
 20 tok/s on one stream and 137 tok/s on a padded batch of 16; nanoplane should reach at least twice that.
 
-    python benchmarks/cpu_service.py [--threads N] [--repeats 3]
+    python -m benchmarks.cpu_service [--threads N] [--repeats 3]
 
 The two sides never run at the same time: the server is stopped before transformers loads, so each
 side has the machine's cores to itself. The server's torch threads are set through OMP_NUM_THREADS
@@ -31,7 +31,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -39,12 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from clients.client import Client
+from controlplane.cli import serve_in_background
+from models.default_model import default_model_dir
 
-from clients.client import Client  # noqa: E402  (after the path: the script runs from anywhere)
-from controlplane.cli import serve_in_background  # noqa: E402
-from models.default_model import default_model_dir  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # Short, different questions, so the 16 streams share only the chat template's prefix (as real users do).
 QUESTIONS = [

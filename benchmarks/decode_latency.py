@@ -3,7 +3,7 @@
 A decode step must read the weights once and every running request's KV cache: at batch B and
 context C that is (weight bytes + B * C * KV bytes per token) / 4.24 TB/s on one H200.
 
-    python benchmarks/decode_latency.py [--shape 8b] [--tensor-parallel-size 2] [--host-profile]
+    python -m benchmarks.decode_latency [--shape 8b] [--tensor-parallel-size 2] [--host-profile]
 
 With tensor parallelism the floor counts one rank's share of the weights and KV cache. `--host-profile`
 lists rank 0's host time by operator over the one-stream decode steps (torch profiler, CPU only).
@@ -14,14 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from throughput import SHAPES, make_random_model  # noqa: E402
+from benchmarks.throughput import SHAPES, make_random_model
 
 BANDWIDTH = 4.24e12  # bytes/s, H200 device copy (read + write), docs/design.md
 

@@ -1,6 +1,6 @@
 """The linear layers of a decode step: kernels.skinny_gemm against cuBLAS at decode batch sizes.
 
-    python benchmarks/kernels.py --only skinny,skinny_sweep,mid_sweep   # (this file holds them)
+    python -m benchmarks.kernel_speed --only skinny,skinny_sweep,mid_sweep   # (this file holds them)
 
 `skinny` times kernels.skinny_gemm beside F.linear (cuBLAS) at decode batch sizes, Qwen3-0.6B's
 four linear layers, floor = one read of the weight (+ x and y). Each call reads another copy of the
@@ -13,13 +13,13 @@ with larger tiles against cuBLAS at 96-256 rows.
 import torch
 import triton
 import triton.testing
-from timing import BANDWIDTH, MATMUL_FLOPS, report
 
+from benchmarks.timing import BANDWIDTH, MATMUL_FLOPS, report
 from kernels import reference as ref
 from kernels import skinny_gemm
 
 # (K, N) of the linear layers as one tensor-parallel rank holds them: Qwen3-0.6B at TP=1 (the
-# default), Qwen3-8B at TP=2 (`benchmarks/kernels.py --gemm-shapes 8b-tp2`).
+# default), Qwen3-8B at TP=2 (`benchmarks/kernel_speed.py --gemm-shapes 8b-tp2`).
 GEMM_SHAPES = {
     "0.6b": {"qkv_proj": (1024, 4096), "o_proj": (2048, 1024), "gate_up_proj": (1024, 6144), "down_proj": (3072, 1024)},
     "8b-tp2": {"qkv_proj": (4096, 3072), "o_proj": (2048, 4096), "gate_up_proj": (4096, 12288),

@@ -1,6 +1,6 @@
 """What the wire between the planes costs per step, at 256 running requests (a decode step).
 
-    python benchmarks/plane_protocol.py [--rows 256] [--iters 20000] [--round-trips 5000]
+    python -m benchmarks.plane_protocol [--rows 256] [--iters 20000] [--round-trips 5000]
 
 Rows: the codec alone (encode, decode, both; pickle of the same dataclass for scale), then a
 ZeroMQ ipc round trip to another process that decodes the descriptor and answers a 256-token
@@ -14,7 +14,6 @@ import argparse
 import multiprocessing as mp
 import os
 import pickle
-import sys
 import tempfile
 import threading
 import time
@@ -22,11 +21,9 @@ import time
 import numpy as np
 import zmq
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from controlplane.remote import RemoteDataPlane, terminate  # noqa: E402
-from proto import codec  # noqa: E402
-from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column  # noqa: E402
+from controlplane.remote import RemoteDataPlane, terminate
+from proto import codec
+from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
 def decode_step(rows: int, step_id: int = 0) -> StepDescriptor:

@@ -1,22 +1,19 @@
 """GPU check of the service: `nanoplane serve` (ZeroMQ data plane, gRPC API) streams the same greedy tokens
 as the embedded engine, at tensor-parallel sizes 1 and 2, on random Qwen3-0.6B-shaped bf16 weights.
 
-    python benchmarks/service_check.py --tp 1 2
+    python -m benchmarks.service_check --tp 1 2
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.throughput import make_random_model
 
-from throughput import make_random_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 FLAGS = ["--max-model-len", "2048", "--gpu-memory-utilization", "0.5", "--max-num-seqs", "64"]
 

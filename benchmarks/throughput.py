@@ -6,9 +6,9 @@ Qwen3-0.6B architecture (generated once into --model-dir), or Qwen3-8B's for the
 Prints output tokens/s beside the card's floor (docs/design.md: ~36,400 tok/s on one H200 for 0.6B;
 ~18,700-22,800 on two H200s for 8B at TP=2, all-reduce included).
 
-    python benchmarks/throughput.py [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager] [--profile]
-    python benchmarks/throughput.py --mode service   # nanoplane serve + one gRPC client process, 256 streams
-    python benchmarks/throughput.py --shape 8b --tensor-parallel-size 2   # two GPUs
+    python -m benchmarks.throughput [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager] [--profile]
+    python -m benchmarks.throughput --mode service   # nanoplane serve + one gRPC client process, 256 streams
+    python -m benchmarks.throughput --shape 8b --tensor-parallel-size 2   # two GPUs
 """
 
 from __future__ import annotations
@@ -18,13 +18,10 @@ import asyncio
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from step_table import (  # noqa: E402
+from benchmarks.step_table import (
     allocator_counts,
     instrument,
     pace,
@@ -58,8 +55,7 @@ def make_random_model(path: Path, shape: str = "0.6b") -> None:
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from tiny_models import make_tokenizer
+    from tests.tiny_models import make_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     make_tokenizer(path)
@@ -77,10 +73,7 @@ def make_random_model(path: Path, shape: str = "0.6b") -> None:
     del model
     save_file(state, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
-    # The file's dirty pages (16 GB at 8B) are written back to disk over the next seconds; a run that
-    # starts right away would share the host with that, so they are written back before timing. (It
-    # was the suspect for the first TP=2 run of a call being slower in its small-batch steps; that run
-    # was slow again with the flush in place, so it is not the cause: BENCHMARKS.md.)
+    # The file's dirty pages (16 GB at 8B) would be written back while the run is timed: flush them first.
     t = time.perf_counter()
     os.sync()
     print(f"wrote {path / 'model.safetensors'} and flushed it to disk ({time.perf_counter() - t:.1f} s)", flush=True)

@@ -1,4 +1,4 @@
-"""One line per op for the kernel benchmarks (benchmarks/kernels.py, benchmarks/gemm.py): its time
+"""One line per op for the kernel benchmarks (benchmarks/kernel_speed.py, benchmarks/gemm.py): its time
 cold and replayed in a CUDA graph, against the H200's floors."""
 
 import torch

@@ -1,22 +1,14 @@
-"""benchmarks/alternate.py: variants parsed, runs taken in turns, throughput.py's tables read back.
+"""benchmarks.alternate: variants parsed, runs taken in turns, throughput.py's tables read back.
 
 The benchmark itself needs a GPU; here fake benchmarks print tables in throughput.py's format.
 """
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-# Loaded from its file: benchmarks/ on sys.path would shadow the `kernels` package with
-# benchmarks/kernels.py for every test collected after this one.
-_SPEC = importlib.util.spec_from_file_location(
-    "alternate", Path(__file__).resolve().parent.parent / "benchmarks" / "alternate.py")
-alternate = importlib.util.module_from_spec(_SPEC)
-sys.modules["alternate"] = alternate  # dataclasses look their module up by name
-_SPEC.loader.exec_module(alternate)
+from benchmarks import alternate
 
 # Rows as throughput.py printed them on an H200 (8b99584).
 EMBEDDED = """\
@@ -55,19 +47,23 @@ def test_variant_specs(tmp_path):
             alternate.Variant.parse(bad)
 
 
-def fake_tree(root: Path, tok_s: int) -> Path:
-    """A tree whose benchmark prints `tok_s` (and the extra arguments it got, as a step kind)."""
+def fake_tree(root: Path, tok_s: int, package: bool) -> Path:
+    """A tree whose benchmark prints `tok_s` (and the extra arguments it got, as a step kind); `package`:
+    benchmarks/ is a package (run with -m), else a folder of scripts as in trees before it was one."""
     (root / "benchmarks").mkdir(parents=True)
+    if package:
+        (root / "benchmarks" / "__init__.py").write_text("")
     (root / "benchmarks" / "throughput.py").write_text(textwrap.dedent(f"""\
         import sys
         print("| decode " + "-".join(sys.argv[1:]) + " rows | 7 | 0.5 | 1 |")
+        print("run as", __name__, __spec__.name if __spec__ else "a script")
         print("| embedded 0.6b TP=1 | 100 | 1.00 | {tok_s:,} | 36,400 |")
     """))
     return root
 
 
 def test_runs_variants_in_turns_and_compares_their_means(tmp_path, capsys):
-    new, old = fake_tree(tmp_path / "new", 1000), fake_tree(tmp_path / "old", 800)
+    new, old = fake_tree(tmp_path / "new", 1000, package=True), fake_tree(tmp_path / "old", 800, package=False)
     out = tmp_path / "logs"
     alternate.main(["--variant", f"new:@{new}", "--variant", f"old:@{old}", "--rounds", "2", "--out", str(out),
                     "--", "1", "16"])
@@ -78,6 +74,8 @@ def test_runs_variants_in_turns_and_compares_their_means(tmp_path, capsys):
     assert "| variant | tok/s | decode 1-16 rows s |" in printed  # the arguments after -- reached the runs
     assert "old: mean 800 tok/s over 2 runs, -20.00% against new" in printed
     assert sorted(p.name for p in out.iterdir()) == ["new-1.txt", "new-2.txt", "old-1.txt", "old-2.txt"]
+    assert "run as __main__ benchmarks.throughput" in (out / "new-1.txt").read_text()
+    assert "run as __main__ a script" in (out / "old-1.txt").read_text()
 
 
 def test_environment_variants_and_a_failed_run(tmp_path, capsys):

@@ -1,8 +1,8 @@
 """GPU micro-benchmark of the Triton kernels against the memory-bandwidth floor.
 
-    python benchmarks/kernels.py [--only read,decode,decode_mixed,decode_sweep,prefill,prefill_sweep,rms_norm,
-                                         rotary,store,sample,skinny,skinny_sweep,mid_sweep]
-                                 [--dtype bf16] [--gemm-shapes 0.6b|8b-tp2]
+    python -m benchmarks.kernel_speed [--only read,decode,decode_mixed,decode_sweep,prefill,prefill_sweep,
+                                              rms_norm,rotary,store,sample,skinny,skinny_sweep,mid_sweep]
+                                      [--dtype bf16] [--gemm-shapes 0.6b|8b-tp2]
 
 Floor = bytes the op must move / 4.24 TB/s (H200 device copy, read + write). Two timings:
 `cold` is triton's do_bench (L2 flushed before each call, one launch per call: what a step sees
@@ -18,19 +18,14 @@ exponential noise, argmax), both against one read of the logits.
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import gemm  # noqa: E402  (benchmarks/gemm.py)
-from gemm import bench_mid_sweep, bench_skinny, bench_skinny_sweep  # noqa: E402
-from timing import BANDWIDTH, report  # noqa: E402  (benchmarks/timing.py)
-
-from kernels import (  # noqa: E402
+from benchmarks import gemm
+from benchmarks.gemm import bench_mid_sweep, bench_skinny, bench_skinny_sweep
+from benchmarks.timing import BANDWIDTH, report
+from kernels import (
     apply_rotary,
     paged_decode_attention,
     paged_prefill_attention,
@@ -38,8 +33,8 @@ from kernels import (  # noqa: E402
     sample,
     store_kvcache,
 )
-from kernels import reference as ref  # noqa: E402
-from kernels.sampling import sampling_uniforms  # noqa: E402
+from kernels import reference as ref
+from kernels.sampling import sampling_uniforms
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention shape
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,6 +1,0 @@
-#include "pdl_gemm.cuh"
-using namespace cute;
-using namespace cutlass::gemm;
-using namespace cutlass::epilogue;
-PDL_GEMM_EXPORT(pingpong_64x128, Shape<_64, _128, _64>, Shape<_1, _1, _1>, KernelTmaWarpSpecializedPingpong,
-                TmaWarpSpecialized, false)
