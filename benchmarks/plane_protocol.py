@@ -24,7 +24,8 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from controlplane.remote import RemoteDataPlane, terminate  # noqa: E402
+from controlplane.dataplane_client import RemoteDataPlane  # noqa: E402
+from nanoplane.process import terminate  # noqa: E402
 from proto import codec  # noqa: E402
 from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column  # noqa: E402
 
