@@ -155,7 +155,7 @@ def test_protocol_with_fake_ranks():
         late.close(0)
         client.close()
         assert fresh.data.poll(2000) and codec.decode(fresh.data.recv_multipart()) == codec.Shutdown(
-            0, "the control plane stopped")
+            ExitCode.STOPPED, "the control plane stopped")
         fresh.close()
     finally:
         pool.shutdown(cancel_futures=True)

@@ -23,7 +23,7 @@ from controlplane.config import EngineConfig
 from controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
 from controlplane.engine import Engine
 from controlplane.sampling_params import SamplingParams
-from proto.exit_codes import ExitCode
+from proto.exit_codes import ExitCode, killed_by
 from proto.plane import StepDescriptor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -114,7 +114,7 @@ def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, t
         assert generate(engine, prompts) == [reference[(1, len(p))] for p in prompts]
     finally:
         client.close()
-    assert launchers[0].wait(10) == 0  # stopped on purpose: the supervisor should not restart it
+    assert launchers[0].wait(10) == ExitCode.STOPPED  # stopped on purpose: the supervisor should not restart it
 
 
 def test_tp2_kill_a_rank_then_reattach(model, reference, launchers):
@@ -187,4 +187,4 @@ def test_a_second_signal_while_the_launcher_stops_leaves_no_traceback(tiny_model
         with contextlib.suppress(ProcessLookupError):  # whatever the launcher left behind
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert proc.returncode == killed_by(signal.SIGINT) and "Traceback" not in err, err
