@@ -95,7 +95,7 @@ def worker(rank: int, port: int) -> None:
 
 def main() -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    from dataplane.launcher import free_port
+    from nanoplane.process import free_port
 
     if torch.cuda.device_count() < 2:
         sys.exit("needs two CUDA GPUs")

@@ -158,7 +158,7 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
     over ZeroMQ to a rank at `remote` (an ipc:// address) if given, else over an in-process stand-in."""
     from controlplane.async_engine import AsyncEngine
     from controlplane.config import EngineConfig
-    from controlplane.remote import RemoteDataPlane
+    from controlplane.dataplane_client import RemoteDataPlane
     from controlplane.serve import set_gil_switch_interval
     from controlplane.server import build_server
 

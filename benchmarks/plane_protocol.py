@@ -21,7 +21,8 @@ import time
 import numpy as np
 import zmq
 
-from controlplane.remote import RemoteDataPlane, terminate
+from controlplane.dataplane_client import RemoteDataPlane
+from nanoplane.process import terminate
 from proto import codec
 from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
 

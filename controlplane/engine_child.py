@@ -75,7 +75,9 @@ def unpack_output(request_id: str, packed: tuple) -> Output:
 def engine_main(config: EngineConfig, data_plane_address: str, commands_address: str, events_address: str,
                 eos_token_ids: tuple[int, ...], recover_interval_s: float, attach_timeout_s: float) -> None:
     """The engine process's body: serve the commands until "stop" or the serving process's exit."""
-    from controlplane.remote import EXIT_RESTART, RemoteDataPlane, terminate
+    from controlplane.dataplane_client import RemoteDataPlane
+    from nanoplane.process import terminate
+    from proto.exit_codes import ExitCode
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
@@ -153,7 +155,7 @@ def engine_main(config: EngineConfig, data_plane_address: str, commands_address:
                 break
     finally:
         if not orderly:  # the serving process died: no planned stop, so the data plane must come back
-            data_plane.close(exit_code=EXIT_RESTART)  # before core.shutdown, whose engine.close() says 0
+            data_plane.close(exit_code=ExitCode.RESTART)  # before core.shutdown, whose engine.close() says 0
         core.shutdown()  # open streams end with UNAVAILABLE; their outputs still go out
         data_plane.close()
         events.close()

@@ -46,11 +46,12 @@ from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.engine_child import EngineFacts, engine_main, unpack_output
 from controlplane.errors import DataPlaneUnavailable
-from controlplane.remote import STALL_S, terminate
 from controlplane.sampling_params import SamplingParams
 from controlplane.server import GenerationServer
 from controlplane.stream import EngineStatus, Output, Stream, read_stream, wait_for_free_id
 from controlplane.tokenizer import Tokenizer
+from nanoplane.liveness import STALL_S
+from nanoplane.process import terminate
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from controlplane import runtime_dir
 from controlplane.config import EngineConfig
+from controlplane.dataplane_client import RemoteDataPlane
 from controlplane.engine_process import build_process_server, engine_process_enabled
-from controlplane.remote import RemoteDataPlane
 from controlplane.server import build_server
 
 log = logging.getLogger("nanoplane.serve")

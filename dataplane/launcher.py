@@ -20,12 +20,13 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
-import socket
 import sys
 from multiprocessing.connection import wait
 
 from dataplane.config import DataPlaneConfig
-from dataplane.worker import EXIT_FAILED, WorkerOptions, run_rank
+from dataplane.worker import WorkerOptions, run_rank
+from nanoplane.process import configure_logging, free_port
+from proto.exit_codes import ExitCode, killed_by
 
 # rank and epoch are not flags: the launcher numbers the ranks, the control plane assigns the epoch.
 _NOT_FLAGS = {"model", "rank", "world_size", "epoch"}
@@ -59,21 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default!r}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exit_code(code: int | None) -> int:
+    """A rank's exit code as a shell reports it (multiprocessing says -N for killed by signal N)."""
     if code is None or code == 0:
-        return code or 0
-    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell reports it
+        return code or ExitCode.STOPPED
+    return killed_by(-code) if code < 0 else code
 
 
 def launch(args: argparse.Namespace) -> int:
     """Run the ranks until they stop; return the exit code for the launcher."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
+    configure_logging("launcher")
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(DataPlaneConfig) if f.name not in _NOT_FLAGS}
     fields.update(model=args.model, world_size=args.world_size)
     if args.world_size > 1 and not fields["dist_init"]:
@@ -102,7 +98,7 @@ def launch(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         log.info("stopping the data plane (%s)", e)
         _stop(procs)
-        return 128 + (signal.SIGTERM if str(e) == "SIGTERM" else signal.SIGINT)
+        return killed_by(signal.SIGTERM if str(e) == "SIGTERM" else signal.SIGINT)
 
 
 def _supervise(procs: list[mp.Process]) -> int:
@@ -114,14 +110,16 @@ def _supervise(procs: list[mp.Process]) -> int:
             if p.exitcode != 0:
                 log.error("%s exited with %s: stopping the other ranks", p.name, p.exitcode)
                 _stop(running)
-                return _exit_code(p.exitcode) or EXIT_FAILED
+                return _exit_code(p.exitcode) or ExitCode.CRASHED
         if running and len(running) < len(procs):
             # One rank left cleanly (the control plane stopped us); the others got the same word.
             wait([p.sentinel for p in running], timeout=STOP_GRACE_S)
             codes = [_exit_code(p.exitcode) for p in running]
             _stop(running)
-            return next((c for c in codes if c), 0) if all(c is not None for c in codes) else EXIT_FAILED
-    return 0
+            if any(c is None for c in codes):
+                return ExitCode.CRASHED
+            return next((c for c in codes if c), ExitCode.STOPPED)
+    return ExitCode.STOPPED
 
 
 def _stop(procs: list[mp.Process]) -> None:

@@ -9,9 +9,8 @@ import multiprocessing as mp
 from collections import deque
 
 from dataplane.config import DataPlaneConfig
-from dataplane.launcher import free_port
 from dataplane.model_runner import ModelRunner
-from dataplane.worker import freeze_startup_objects
+from nanoplane.process import free_port, freeze_startup_objects
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 

@@ -13,16 +13,15 @@ Steps stay in flight, as in the embedded engine: the control plane sends step N+
 proto.plane.MAX_STEPS_IN_FLIGHT) before it needs step N's result, so a rank launches them while N's
 GPU work runs and only then waits for N.
 
-Exit codes: 0 when the control plane stopped the data plane on purpose, EXIT_RESTART when it went
-away or dropped this data plane (a supervisor restarts the launcher, which re-attaches with empty
-state), anything else for a failure.
+Exit codes (proto/exit_codes.py): STOPPED when the control plane stopped the data plane on purpose,
+RESTART when it went away or dropped this data plane (a supervisor restarts the launcher, which
+re-attaches with empty state), anything else for a failure.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import signal
@@ -35,13 +34,13 @@ import numpy as np
 import zmq
 
 from dataplane.config import DataPlaneConfig
+from nanoplane.liveness import STALL_S, Liveness
+from nanoplane.process import configure_logging, freeze_startup_objects
 from proto import codec
+from proto.exit_codes import ExitCode
 from proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult
 
-EXIT_RESTART = 75  # EX_TEMPFAIL
-EXIT_FAILED = 1
 EXIT_GRACE_S = 5.0  # how long the main thread gets to leave on its own before the process is ended
-STALL_S = 1.0  # the liveness loop running this much later than its interval: the rank itself was not running
 
 log = logging.getLogger("nanoplane.dataplane")
 
@@ -55,7 +54,9 @@ class WorkerOptions:
     parent_pid: int = 0  # the launcher; exit when it is gone (0: do not watch)
 
 
-class _Liveness(threading.Thread):
+class _ControlLink(threading.Thread):
+    """The thread that owns the liveness socket: HELLO, heartbeats, and the decision to leave."""
+
     def __init__(self, ctx: zmq.Context, opts: WorkerOptions, rank: int, world_size: int):
         super().__init__(name=f"nanoplane-liveness-{rank}", daemon=True)
         self.opts, self.rank, self.world_size = opts, rank, world_size
@@ -66,7 +67,7 @@ class _Liveness(threading.Thread):
         self.epoch = -1
         self.welcomed = threading.Event()
         self.exit_requested = threading.Event()
-        self.exit_code = 0
+        self.exit_code = ExitCode.STOPPED
         self._exit_lock = threading.Lock()  # both threads may see a SHUTDOWN; the first word counts
 
     def request_exit(self, code: int, reason: str) -> None:
@@ -74,20 +75,18 @@ class _Liveness(threading.Thread):
             if self.exit_requested.is_set():
                 return
             self.exit_code = code
-            (log.info if code == 0 else log.warning)("rank %d leaving (exit %d): %s", self.rank, code, reason)
+            say = log.info if code == ExitCode.STOPPED else log.warning
+            say("rank %d leaving (exit %d): %s", self.rank, code, reason)
             self.exit_requested.set()
 
     def run(self) -> None:
         opts = self.opts
         hello = codec.encode_control(codec.Hello(opts.launch_id, self.rank, self.world_size, os.getpid()))
-        last_heard = passed = time.monotonic()
+        # Judged once a beat: a turn this much later means this rank did not run, and that silence is ours.
+        control = Liveness(stall_s=opts.heartbeat_interval + STALL_S)
+        control.heard()
         while not self.exit_requested.is_set():
-            now = time.monotonic()
-            if (stall := now - passed) > opts.heartbeat_interval + STALL_S:
-                # This rank did not run (SIGSTOP, swap, a frozen container): the control plane's
-                # words of that time may not have reached the socket yet, so that silence is ours.
-                last_heard = min(last_heard + stall, now)
-            passed = now
+            control.judge()
             beat = hello
             if self.welcomed.is_set():
                 beat = codec.encode_control(codec.Heartbeat(opts.launch_id, self.epoch, self.rank))
@@ -96,12 +95,12 @@ class _Liveness(threading.Thread):
             deadline = time.monotonic() + opts.heartbeat_interval
             while (wait := deadline - time.monotonic()) > 0 and not self.exit_requested.is_set():
                 if self.sock.poll(wait * 1000) and self._handle(self.sock.recv_multipart()):
-                    last_heard = time.monotonic()
-            silent = time.monotonic() - last_heard
-            if silent > opts.control_timeout:
-                self.request_exit(EXIT_RESTART, f"no word from the control plane at {opts.control} for {silent:.1f}s")
+                    control.heard()
+            if (silent := control.silent()) > opts.control_timeout:
+                self.request_exit(ExitCode.RESTART,
+                                  f"no word from the control plane at {opts.control} for {silent:.1f}s")
             if opts.parent_pid and os.getppid() != opts.parent_pid:
-                self.request_exit(EXIT_RESTART, "the launcher is gone")
+                self.request_exit(ExitCode.RESTART, "the launcher is gone")
         # The main thread may be stuck in a collective whose peer died; do not wait for it forever.
         time.sleep(EXIT_GRACE_S)
         os._exit(self.exit_code)
@@ -120,23 +119,14 @@ class _Liveness(threading.Thread):
         return True
 
 
-def freeze_startup_objects() -> None:
-    """Hand every object alive now (torch, the model, Triton's kernels, the CUDA graphs: ~300k of them)
-    to Python's permanent generation. A full collection walks every tracked object, 200-280 ms on the
-    H200 hosts (BENCHMARKS.md), and stops the step loop, and every stream with it, for that long. A
-    rank's start-up objects live as long as its process: nothing is lost by never walking them again."""
-    gc.collect()
-    gc.freeze()
-
-
 def run_rank(cfg: DataPlaneConfig, opts: WorkerOptions) -> None:
     """Process entry point of one rank; never returns (the process exits with a meaningful code)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops the ranks
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{cfg.rank} %(levelname)s %(message)s")
+    configure_logging(f"rank{cfg.rank}")
     ctx = zmq.Context()
-    live = _Liveness(ctx, opts, cfg.rank, cfg.world_size)
+    live = _ControlLink(ctx, opts, cfg.rank, cfg.world_size)
     live.start()
-    code = EXIT_FAILED
+    code = ExitCode.CRASHED
     try:
         code = _serve(ctx, cfg, opts, live)
     except Exception:
@@ -147,7 +137,7 @@ def run_rank(cfg: DataPlaneConfig, opts: WorkerOptions) -> None:
     os._exit(code)
 
 
-def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _Liveness) -> int:
+def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _ControlLink) -> int:
     import torch  # here, not at import: the launcher imports this module and stays light
 
     if cfg.device == "auto":
@@ -157,7 +147,7 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _L
     from dataplane.model_runner import ModelRunner
 
     runner = ModelRunner(cfg)
-    freeze_startup_objects()
+    freeze_startup_objects()  # torch, the model, Triton's kernels and the CUDA graphs: a full GC would stall steps
     while not live.welcomed.wait(0.1):
         if live.exit_requested.is_set():
             return live.exit_code
@@ -239,7 +229,7 @@ class _StepLoop:
         every = int(os.environ.get("NANOPLANE_RANK_PACE", "0"))
         self.pace = _Pace(rank, every) if every > 0 and rank == 0 else None
 
-    def run(self, live: _Liveness) -> None:
+    def run(self, live: _ControlLink) -> None:
         while not live.exit_requested.is_set():
             # A finished result goes out first (sending costs microseconds, a launch far more); with
             # as many steps launched as may be, block on the oldest.

@@ -46,6 +46,7 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/
     && pip install -r /tmp/requirements.txt
 
 COPY proto ./proto
+COPY nanoplane ./nanoplane
 COPY controlplane ./controlplane
 COPY clients ./clients
 COPY dataplane ./dataplane

@@ -23,7 +23,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = {"controlplane": ROOT / "docker" / "controlplane.Dockerfile",
                "dataplane": ROOT / "docker" / "dataplane.Dockerfile"}
 CP_REQUIREMENTS = ROOT / "docker" / "requirements-controlplane.txt"
-OURS = {"proto", "controlplane", "dataplane", "models", "kernels", "clients"}
+OURS = {"nanoplane", "proto", "controlplane", "dataplane", "models", "kernels", "clients"}
 MODEL_MOUNT = "/models"
 
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from conftest import hf_greedy
 
 from dataplane.allreduce import ENV, chosen, make_fast_all_reduce
-from dataplane.launcher import free_port
 from models.layers import parallel
+from nanoplane.process import free_port
 
 
 @pytest.fixture

@@ -64,7 +64,8 @@ def test_the_block_size_has_one_name_on_both_planes(monkeypatch):
 
 
 def test_generate_from_a_server_reports_an_rpc_error_in_one_line(capsys):
-    from controlplane.cli import free_port, main
+    from controlplane.cli import main
+    from nanoplane.process import free_port
 
     code = main(["generate", "--server", f"127.0.0.1:{free_port()}", "--raw", "hi"])  # nothing listens there
     err = capsys.readouterr().err
@@ -72,7 +73,8 @@ def test_generate_from_a_server_reports_an_rpc_error_in_one_line(capsys):
 
 
 def test_health_of_an_unreachable_server_in_one_line(capsys):
-    from controlplane.cli import free_port, main
+    from controlplane.cli import main
+    from nanoplane.process import free_port
 
     code = main(["health", "--server", f"127.0.0.1:{free_port()}", "--timeout", "2"])
     err = capsys.readouterr().err

@@ -38,7 +38,7 @@ from docker_config import (
 from packaging.requirements import Requirement  # packaging: a dependency of transformers
 from packaging.utils import canonicalize_name
 
-from controlplane.cli import free_port
+from nanoplane.process import free_port
 
 # --- the Dockerfiles -------------------------------------------------------------------------------
 
@@ -165,7 +165,8 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     model = str(tiny_models["qwen3"])
 
     code = ("import sys\n"
-            "import controlplane.cli, controlplane.serve, controlplane.server, controlplane.remote, clients.client\n"
+            "import controlplane.cli, controlplane.serve, controlplane.server, clients.client\n"
+            "import controlplane.dataplane_client\n"
             "controlplane.cli.build_parser()\n"
             "from controlplane.tokenizer import Tokenizer\n"
             f"tok = Tokenizer({model!r})\n"

@@ -1,7 +1,7 @@
 """The engine over real rank processes (`python -m dataplane.launcher`, a tiny model on the CPU)
 gives the embedded engine's tokens, refuses steps it cannot have asked for, and turns failures (a
 killed rank, a vanished control plane, a second signal) into errors in bounded time. The client
-against fake ranks: tests/test_remote_plane.py.
+against fake ranks: tests/test_dataplane_client.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import pytest
 from conftest import ROOT
 
 from controlplane.config import EngineConfig
+from controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
 from controlplane.engine import Engine
-from controlplane.remote import EXIT_RESTART, DataPlaneUnavailable, RemoteDataPlane
 from controlplane.sampling_params import SamplingParams
+from proto.exit_codes import ExitCode, killed_by
 from proto.plane import StepDescriptor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -113,7 +114,7 @@ def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, t
         assert generate(engine, prompts) == [reference[(1, len(p))] for p in prompts]
     finally:
         client.close()
-    assert launchers[0].wait(10) == 0  # stopped on purpose: the supervisor should not restart it
+    assert launchers[0].wait(10) == ExitCode.STOPPED  # stopped on purpose: the supervisor should not restart it
 
 
 def test_tp2_kill_a_rank_then_reattach(model, reference, launchers):
@@ -152,7 +153,7 @@ def test_tp2_kill_a_rank_then_reattach(model, reference, launchers):
     finally:
         client.close(stop_data_plane=False)  # as if the control plane crashed
     start = time.monotonic()
-    assert launchers[1].wait(15) == EXIT_RESTART
+    assert launchers[1].wait(15) == ExitCode.RESTART
     print(f"ranks left {time.monotonic() - start:.2f}s after the control plane vanished")
     assert time.monotonic() - start < 3 + 5  # control_timeout 3 s, and slack
 
@@ -186,4 +187,4 @@ def test_a_second_signal_while_the_launcher_stops_leaves_no_traceback(tiny_model
         with contextlib.suppress(ProcessLookupError):  # whatever the launcher left behind
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert proc.returncode == killed_by(signal.SIGINT) and "Traceback" not in err, err

@@ -21,7 +21,8 @@ import pytest
 
 from clients.client import Client
 from controlplane import LLM, SamplingParams
-from controlplane.cli import free_port, serve_in_background, stop_process
+from controlplane.cli import serve_in_background
+from nanoplane.process import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,6 +13,7 @@ import zmq
 from dataplane.model_runner import Launched
 from dataplane.worker import _StepLoop
 from proto import codec
+from proto.exit_codes import ExitCode
 from proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult, int32_column
 
 EPOCH = 3
@@ -77,7 +78,7 @@ class FakeSocket:
             self.clock.now = self.arrivals[0][0]  # a blocking receive sleeps until the next message
             return self.arrivals.pop(0)[1]
         else:
-            self.live.request_exit(0, "the test has nothing more to send")
+            self.live.request_exit(ExitCode.STOPPED, "the test has nothing more to send")
         raise zmq.Again()
 
     def send_multipart(self, frames: list, copy: bool = True) -> None:
@@ -196,9 +197,9 @@ def test_other_ranks_execute_in_order_and_answer_nothing():
 
 
 def test_shutdown_and_malformed_messages():
-    shutdown = codec.encode_control(codec.Shutdown(0, "done"))
+    shutdown = codec.encode_control(codec.Shutdown(ExitCode.STOPPED, "done"))
     log, data, _, live = drive([(0, [b"garbage"]), (0, step(0)), (10, shutdown), (20, step(1))])
-    assert live.exit_code == 0
+    assert live.exit_code == ExitCode.STOPPED
     assert [r.result.step_id for r in data.sent] == [0]
     assert ("launch", 1) not in log
 

@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from controlplane import remote
-from controlplane.remote import EXIT_CONFIG, EXIT_RESTART, DataPlaneUnavailable, RemoteDataPlane
+from controlplane import dataplane_client
+from controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
+from nanoplane import process
 from proto import codec
+from proto.exit_codes import ExitCode
 from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
@@ -81,7 +83,7 @@ def test_close_is_bounded_when_a_rank_just_left(monkeypatch):
     """libzmq can hang in term for good after a send to a peer that is disconnecting (here: the Shutdown
     that close sends to a rank that has just closed its sockets); about one close in five did so in
     this loop before close bounded its wait."""
-    monkeypatch.setattr(remote, "TERM_WAIT_S", 0.3)
+    monkeypatch.setattr(process, "TERM_WAIT_S", 0.3)
     for _ in range(15):
         client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=5)
         fake = FakeRank(client.address, launch_id=13)
@@ -149,11 +151,11 @@ def test_protocol_with_fake_ranks():
         late.connect(client.address)
         late.send_multipart(codec.encode_control(codec.Heartbeat(11, fake.epoch, 0)))
         assert late.poll(2000)
-        assert codec.decode(late.recv_multipart()).exit_code == EXIT_RESTART
+        assert codec.decode(late.recv_multipart()).exit_code == ExitCode.RESTART
         late.close(0)
         client.close()
         assert fresh.data.poll(2000) and codec.decode(fresh.data.recv_multipart()) == codec.Shutdown(
-            0, "the control plane stopped")
+            ExitCode.STOPPED, "the control plane stopped")
         fresh.close()
     finally:
         pool.shutdown(cancel_futures=True)
@@ -238,7 +240,7 @@ def test_a_standby_data_plane_says_so_then_takes_over(caplog):
     client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, heartbeat_timeout=1.0, step_timeout=5)
     first = second = None
     try:
-        with caplog.at_level(logging.INFO, logger="nanoplane.remote"):
+        with caplog.at_level(logging.INFO, logger="nanoplane.dataplane_client"):
             first = FakeRank(client.address, launch_id=21)
             client.start(timeout=5)
             second = FakeRank(client.address, launch_id=22)
@@ -272,13 +274,13 @@ def test_malformed_messages_are_logged_at_most_once_a_second(idle_client, caplog
     for _ in range(500):
         junk.send_multipart([b"GET / HTTP/1.1"])
     time.sleep(0.5)  # the watcher thread reads them while idle
-    lines = [r for r in caplog.records if r.name == "nanoplane.remote" and r.levelname == "WARNING"]
+    lines = [r for r in caplog.records if r.name == "nanoplane.dataplane_client" and r.levelname == "WARNING"]
     # The first is logged at once; the rest are counted into the next line, a second later.
     assert len(lines) == 1, [r.getMessage() for r in lines][:3]
 
 
 def test_retired_launches_are_remembered_up_to_a_bound(idle_client, monkeypatch):
-    monkeypatch.setattr(remote, "RETIRED_KEPT", 4)
+    monkeypatch.setattr(dataplane_client, "RETIRED_KEPT", 4)
     client, peer = idle_client
 
     def hello(launch_id: int, world_size: int) -> int:
@@ -289,13 +291,13 @@ def test_retired_launches_are_remembered_up_to_a_bound(idle_client, monkeypatch)
         return reply.exit_code
 
     # Launches of the wrong size, each retired as it says hello (a made-up flood looks the same).
-    assert all(hello(launch_id, 2) == EXIT_CONFIG for launch_id in range(100, 110))
+    assert all(hello(launch_id, 2) == ExitCode.CONFIG for launch_id in range(100, 110))
     assert list(client._retired) == [106, 107, 108, 109]
-    assert hello(109, 1) == EXIT_RESTART  # a recent one is still told to go, whatever it says now
+    assert hello(109, 1) == ExitCode.RESTART  # a recent one is still told to go, whatever it says now
 
 
 def test_a_flood_on_the_port_is_drained_in_batches(idle_client, monkeypatch):
-    monkeypatch.setattr(remote, "PUMP_MAX", 5)
+    monkeypatch.setattr(dataplane_client, "PUMP_MAX", 5)
     client, junk = idle_client
     with client._lock:  # the watcher thread cannot drain them meanwhile
         for _ in range(50):

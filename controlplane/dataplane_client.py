@@ -27,39 +27,22 @@ from dataclasses import dataclass, field
 import zmq
 
 from controlplane.errors import DataPlaneUnavailable  # one "data plane gone" error; the API maps it to UNAVAILABLE
+from nanoplane.liveness import Liveness
+from nanoplane.process import terminate
 from proto import codec
+from proto.exit_codes import ExitCode
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
-EXIT_RESTART = 75  # the exit code a shut-down rank uses when its data plane should be restarted
-EXIT_CONFIG = 2  # a launch this control plane can never use (wrong world size): restarting will not help
 DEFAULT_STEP_TIMEOUT_S = 120.0  # NANOPLANE_STEP_TIMEOUT overrides it; keep it above the slowest legitimate step
 
-log = logging.getLogger("nanoplane.remote")
-TERM_WAIT_S = 3.0  # how long `terminate` waits for ZeroMQ before it gives up on a context
+log = logging.getLogger("nanoplane.dataplane_client")
 
 
-def terminate(ctx: zmq.Context, what: str) -> None:
-    """Terminate a context whose sockets are closed, waiting at most TERM_WAIT_S.
-
-    libzmq 4.3.5 can hang in zmq_ctx_term for good, whatever the linger, when a message went to a peer
-    that was disconnecting at that moment (a rank or an engine process that had just exited): a loop of
-    attach, peer exit, Shutdown, close hung in about one close of five. A process that stops must not
-    hang on that, so the wait runs in a daemon thread and is abandoned, with a warning, if it lasts; the
-    context's threads then end with the process."""
-    waiter = threading.Thread(target=ctx.term, name=f"nanoplane-term-{what}", daemon=True)
-    waiter.start()
-    waiter.join(TERM_WAIT_S)
-    if waiter.is_alive():
-        log.warning("ZeroMQ did not release the %s sockets within %.0fs; left to the process's exit",
-                    what, TERM_WAIT_S)
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: a rank is its own key in the Liveness
 class _Rank:
     rank: int
     pid: int
     beat_ident: bytes  # ROUTER identity of the rank's liveness socket
-    last_seen: float
     data_ident: bytes = b""  # ROUTER identity of the rank's data socket, known from READY
     info: PlaneInfo | None = None
 
@@ -75,10 +58,6 @@ class _Launch:
         return len(self.ranks) == self.world_size and all(r.info is not None for r in self.ranks.values())
 
 
-# Liveness is judged every ~0.1 s. A gap this long between two judgements means this process did not
-# run (SIGSTOP, swap, a frozen container): the ranks' beats of that time may still sit in ZeroMQ's
-# I/O thread, not yet in the socket, so that time of silence is ours and not held against them.
-STALL_S = 1.0
 # Retired launch ids remembered, newest last: a retired launch's ranks may say hello again until their
 # control timeout ends them, and are told to go. Older ones are long gone, and the data-plane port has
 # no authentication, so a flood of made-up launches must not grow the set without bound.
@@ -117,7 +96,8 @@ class RemoteDataPlane:
         self._failure = "no data plane attached yet"
         self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
         self._next_epoch = 1
-        self._judged_at: float | None = None  # the latest liveness judgement (_check); None: none yet
+        # The ranks' last words, judged every ~0.1 s (_check): a stall of this process is not held against them.
+        self._liveness = Liveness()
         self._ignored, self._ignored_logged_at = 0, 0.0  # malformed messages not logged yet, and when we last did
         self._closed = False
         # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
@@ -161,7 +141,7 @@ class RemoteDataPlane:
         deadline = time.monotonic() + limit
         with self._lock:
             if self._attached is not None:
-                self._retire(self._attached, EXIT_RESTART, "the control plane restarts the data plane")
+                self._retire(self._attached, ExitCode.RESTART, "the control plane restarts the data plane")
                 self._attached = None
             while True:
                 now = time.monotonic()
@@ -215,7 +195,7 @@ class RemoteDataPlane:
                 if now >= deadline:
                     self._fail(f"step {step_id} got no result within {self.step_timeout:.0f}s")
 
-    def close(self, stop_data_plane: bool = True, exit_code: int = 0) -> None:
+    def close(self, stop_data_plane: bool = True, exit_code: int = ExitCode.STOPPED) -> None:
         """Release the socket; with stop_data_plane the ranks are told to exit with exit_code (0: no restart).
 
         Without it they are left alone and exit by their control_timeout, as after a control-plane crash."""
@@ -225,7 +205,7 @@ class RemoteDataPlane:
             self._closed = True
             if stop_data_plane:
                 for launch in list(self._launches.values()):
-                    self._retire(launch, exit_code, "the control plane stopped" if exit_code == 0
+                    self._retire(launch, exit_code, "the control plane stopped" if exit_code == ExitCode.STOPPED
                                  else "the control plane went away; restart to re-attach")
             self._attached = None
             self._failure = "the data-plane client is closed"
@@ -292,10 +272,10 @@ class RemoteDataPlane:
             launch = self._launches.get(msg.launch_id)
             r = launch.ranks.get(msg.rank) if launch is not None and launch.epoch == msg.epoch else None
             if r is None:
-                self._send(ident, codec.Shutdown(EXIT_RESTART, "unknown data plane (it was replaced, or the "
+                self._send(ident, codec.Shutdown(ExitCode.RESTART, "unknown data plane (it was replaced, or the "
                                                                "control plane restarted)"))
             else:
-                r.last_seen = now
+                self._liveness.heard(r, now)
                 r.beat_ident = ident
                 self._send(ident, codec.Heartbeat(msg.launch_id, msg.epoch, -1))
         elif isinstance(msg, codec.Ready):
@@ -304,7 +284,8 @@ class RemoteDataPlane:
             if r is None or msg.info.epoch != launch.epoch or msg.info.world_size != launch.world_size:
                 log.warning("ignored READY of an unknown or inconsistent rank: %s", msg.info)
             else:
-                r.data_ident, r.info, r.last_seen = ident, msg.info, now
+                r.data_ident, r.info = ident, msg.info
+                self._liveness.heard(r, now)
                 attached = self._attached
                 if launch.complete() and attached is not None and attached is not launch:
                     # Said once, when its last rank reports: an operator would otherwise see a ready
@@ -316,7 +297,7 @@ class RemoteDataPlane:
 
     def _hello(self, ident: bytes, msg: codec.Hello, now: float) -> None:
         if msg.launch_id in self._retired:
-            self._send(ident, codec.Shutdown(EXIT_RESTART, "this data plane was retired; restart it to re-attach"))
+            self._send(ident, codec.Shutdown(ExitCode.RESTART, "this data plane was retired; restart it to re-attach"))
             return
         launch = self._launches.get(msg.launch_id)
         if launch is None:
@@ -324,36 +305,34 @@ class RemoteDataPlane:
             self._next_epoch += 1
         expected = self.world_size or launch.world_size
         if msg.world_size != expected or not 0 <= msg.rank < msg.world_size:
-            self._retire(launch, EXIT_CONFIG, f"rank {msg.rank} of a world of {msg.world_size}: this control plane "
+            self._retire(launch, ExitCode.CONFIG, f"rank {msg.rank} of a world of {msg.world_size}: this control plane "
                                               f"runs tensor-parallel size {expected}")
-            self._send(ident, codec.Shutdown(EXIT_CONFIG, f"tensor-parallel size {expected} expected"))
+            self._send(ident, codec.Shutdown(ExitCode.CONFIG, f"tensor-parallel size {expected} expected"))
             return
         r = launch.ranks.get(msg.rank)
         if r is None:
-            launch.ranks[msg.rank] = _Rank(msg.rank, msg.pid, ident, now)
+            r = launch.ranks[msg.rank] = _Rank(msg.rank, msg.pid, ident)
         else:
-            r.beat_ident, r.pid, r.last_seen = ident, msg.pid, now
+            r.beat_ident, r.pid = ident, msg.pid
+        self._liveness.heard(r, now)
         self._send(ident, codec.Welcome(msg.launch_id, launch.epoch))
 
     def _check(self, now: float) -> None:
-        if self._judged_at is not None and (stall := now - self._judged_at) > STALL_S:
-            # The stall's time does not count against anyone: each rank's silence moves on by it, so
-            # the rank that fell silent first (the one that died) is still the one named.
+        if stall := self._liveness.judge(now):
+            # Each rank's silence moves on by the stall, so the rank that fell silent first (the one
+            # that died) is still the one named.
             log.warning("this process did not run for %.1fs (stopped or starved): the ranks' silence "
                         "of that time is not held against them", stall)
-            for pending in self._launches.values():
-                for r in pending.ranks.values():
-                    r.last_seen = min(r.last_seen + stall, now)
-        self._judged_at = now
         launch = self._attached
         if launch is not None:
-            r = min(launch.ranks.values(), key=lambda r: r.last_seen)  # the first to fall silent is the news
-            if now - r.last_seen > self.heartbeat_timeout:
-                self._fail(f"rank {r.rank} (pid {r.pid}) sent no heartbeat for {now - r.last_seen:.1f}s")
+            # the first to fall silent is the news
+            r = max(launch.ranks.values(), key=lambda r: self._liveness.silent(r, now))
+            if (silent := self._liveness.silent(r, now)) > self.heartbeat_timeout:
+                self._fail(f"rank {r.rank} (pid {r.pid}) sent no heartbeat for {silent:.1f}s")
         for pending in list(self._launches.values()):
-            if pending is not self._attached and any(now - r.last_seen > self.pending_timeout
+            if pending is not self._attached and any(self._liveness.silent(r, now) > self.pending_timeout
                                                      for r in pending.ranks.values()):
-                self._retire(pending, EXIT_RESTART, "a rank of this data plane went silent before it attached")
+                self._retire(pending, ExitCode.RESTART, "a rank of this data plane went silent before it attached")
 
     def _require(self) -> _Launch:
         if self._attached is None:
@@ -366,7 +345,7 @@ class RemoteDataPlane:
             return
         self._failure = f"data plane of epoch {launch.epoch} failed: {reason}"
         log.error("%s", self._failure)
-        self._retire(launch, EXIT_RESTART, reason)
+        self._retire(launch, ExitCode.RESTART, reason)
         self._attached = None
         self._pending.clear()
 
@@ -376,6 +355,7 @@ class RemoteDataPlane:
         if len(self._retired) > RETIRED_KEPT:
             del self._retired[next(iter(self._retired))]
         for r in launch.ranks.values():
+            self._liveness.forget(r)
             self._send(r.beat_ident, codec.Shutdown(exit_code, reason))
             if r.data_ident:
                 self._send(r.data_ident, codec.Shutdown(exit_code, reason))
@@ -383,7 +363,7 @@ class RemoteDataPlane:
     def _attach(self, launch: _Launch) -> list[PlaneInfo]:
         for other in list(self._launches.values()):
             if other.epoch < launch.epoch:
-                self._retire(other, EXIT_RESTART, "a newer data plane attached")
+                self._retire(other, ExitCode.RESTART, "a newer data plane attached")
         self._attached = launch
         self._failure = ""
         self._pending.clear()

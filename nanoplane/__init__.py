@@ -1,0 +1,1 @@
+"""Code shared by both planes and by the command line."""
