@@ -60,10 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default!r}")
 
 
-def _exit_code(code: int | None) -> int:
-    """A rank's exit code as a shell reports it (multiprocessing says -N for killed by signal N)."""
-    if code is None or code == 0:
-        return code or ExitCode.STOPPED
+def _exit_code(code: int | None) -> int | None:
+    """A rank's exit code as a shell reports it (multiprocessing says -N for killed by signal N); None while
+    it still runs, so a rank that outlived the grace period counts as crashed, not stopped."""
+    if code is None:
+        return None
+    if code == 0:
+        return ExitCode.STOPPED
     return killed_by(-code) if code < 0 else code
 
 

@@ -99,7 +99,7 @@ def test_freeze_startup_objects_keeps_what_was_frozen_unless_thawed_first():
             gc.enable()
 
 
-@pytest.mark.parametrize("raw, expected", [(0, ExitCode.STOPPED), (75, ExitCode.RESTART),
+@pytest.mark.parametrize("raw, expected", [(0, ExitCode.STOPPED), (None, None), (75, ExitCode.RESTART),
                                            (-signal.SIGKILL, 128 + signal.SIGKILL)])
 def test_a_rank_exit_is_reported_as_a_shell_reports_it(raw, expected):
     assert _exit_code(raw) == expected
