@@ -9,6 +9,7 @@ or min-p rows gather the logits to rank 0, which samples and broadcasts the ids.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,7 @@ from dataplane.uploader import Uploader
 from models.attention_backend import resolve_backend_name, set_backend
 from models.context import AttentionContext, reset_context, set_context
 from models.layers.fused import enable_fused_kernels
+from models.layers.linear import set_skinny_max_rows
 from models.layers.parallel import set_fast_all_reduce
 from models.loader import load_model
 from models.norm_fold import fold_norms
@@ -90,6 +92,7 @@ class ModelRunner:
         self.backend = resolve_backend_name(cfg.attention_backend, self.device.type)
         set_backend(self.backend)
         enable_fused_kernels(self.backend != "torch")
+        set_skinny_max_rows(int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "64")))
         set_fast_all_reduce(make_fast_all_reduce(self.device, self.dtype, self.world_size))
         self.max_model_len = min(cfg.max_model_len, self.hf_config.max_position_embeddings)
         self.block_size = cfg.block_size or (16 if self.device.type == "cpu" else 256)
@@ -102,7 +105,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, cfg.model)
-        fold_norms(self.model)
+        fold_norms(self.model, enabled=os.environ.get("NANOPLANE_FOLD_NORMS", "1") != "0")
         self.model.eval()
         self.sampler = Sampler(self.device, cfg.seed)
         # Before the KV cache takes the memory the scratch logits borrow. Every rank draws from its

@@ -1,7 +1,8 @@
 """Llama-family decoder (LlamaForCausalLM); Qwen3 is the same with per-head q/k RMSNorm.
 
 Model math only: tensor parallelism lives in the layers (`models/layers/`; the decoder layer only
-says which RMSNorm sums the row-parallel outputs), batch structure in the attention context.
+says which RMSNorm sums the row-parallel outputs), batch structure in the attention context, and a
+norm folded into the projection after it in the layers' state (models/norm_fold.py).
 `forward(input_ids, positions)` takes the step's tokens packed into one row.
 """
 
@@ -42,11 +43,17 @@ class SelfAttention(nn.Module):
         """The per-head q/k norm's (q weight, k weight, eps) for the fused prologue; Nones without one."""
         return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                reduce: bool = True) -> torch.Tensor | None:
+        """Attention of x (the normed rows; the stream itself under a folded norm, models/norm_fold.py);
+        None where o_proj has added its output to `residual` itself."""
         qkv = self.qkv_proj(x)
         if fused_kernels_enabled():
-            out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *self._qk_norm())
-            return self.o_proj(out.flatten(1), reduce)
+            out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *self._qk_norm(),
+                                           row_norm=self.qkv_proj.row_norm(x))
+            return self.o_proj(out.flatten(1), reduce, residual)
+        if self.qkv_proj.folded_norm_eps is not None:
+            raise ValueError("a folded norm's row scale needs the fused kernels")
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -55,15 +62,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1), reduce)
-
-    def forward_folded(self, positions: torch.Tensor, residual: torch.Tensor, eps: float) -> None:
-        """Attention on the residual stream with the input norm folded (models/norm_fold.py): adds
-        its output to `residual` in place."""
-        qkv = self.qkv_proj(residual)
-        out = self.attn.forward_packed(qkv, positions, self.rotary_emb.cos_sin_cache, *self._qk_norm(),
-                                       row_norm=(residual, eps))
-        self.o_proj.add_to(out.flatten(1), residual)
+        return self.o_proj(self.attn(q, k, v).flatten(1), reduce, residual)
 
 
 class MLP(nn.Module):
@@ -76,8 +75,11 @@ class MLP(nn.Module):
             raise ValueError(f"activation {config.hidden_act!r} is not supported (only silu)")
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)), reduce)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, reduce: bool = True) -> torch.Tensor | None:
+        """MLP of x (the normed rows; the stream itself under a folded norm, models/norm_fold.py); None
+        where down_proj has added its output to `residual` itself."""
+        act = self.act_fn(self.gate_up_proj(x), row_norm=self.gate_up_proj.row_norm(x))
+        return self.down_proj(act, reduce, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -91,23 +93,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | None,
+                residual: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """x: what the block before hands to the residual stream (None: added already). Returns the
+        MLP's output and the stream before it."""
         defer = self.defer_sums
-        if residual is None:  # the first layer: x is the embedding, already whole
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual, reduce=defer)
-        x = self.self_attn(positions, x, reduce=not defer)
+        x, residual = self.input_layernorm(x, residual, reduce=defer)
+        x = self.self_attn(positions, x, residual, reduce=not defer)
         x, residual = self.post_attention_layernorm(x, residual, reduce=defer)
-        return self.mlp(x, reduce=not defer), residual
-
-    def forward_folded(self, positions: torch.Tensor, residual: torch.Tensor) -> None:
-        """The layer with both norms folded into the projections after them (models/norm_fold.py):
-        adds the attention's and the MLP's outputs to `residual` in place."""
-        self.self_attn.forward_folded(positions, residual, self.input_layernorm.eps)
-        gate_up = self.mlp.gate_up_proj(residual)
-        act = self.mlp.act_fn(gate_up, row_norm=(residual, self.post_attention_layernorm.eps))
-        self.mlp.down_proj.add_to(act, residual)
+        return self.mlp(x, residual, reduce=not defer), residual
 
 
 class DecoderModel(nn.Module):
@@ -120,20 +114,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, qk_norm, self.defer_sums)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Set by models.norm_fold.fold_norms once the weights hold the layers' norm weights.
-        self.folded = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.folded:
-            residual = self.embed_tokens(input_ids)
-            for layer in self.layers:
-                layer.forward_folded(positions, residual)
-            return self.norm(residual)
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = None, self.embed_tokens(input_ids)  # the embedding starts the stream, whole
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual, reduce=self.defer_sums)
-        return x
+        return self.norm(x, residual, reduce=self.defer_sums)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,14 +1,19 @@
 """RMSNorm weights held by the linear layers after them; each row's 1 / rms applied after those.
 
-At decode batch sizes a decoder layer's two RMSNorm launches cost more than the bytes they move
-(~2 us each, 57 a step, and the gap each leaves between two cuBLAS GEMMs; BENCHMARKS.md). Row by
-row, rmsnorm(x) * w projected through W is (x projected through W * w) / rms(x). So at load the
-input norm's weight is multiplied into the QKV projection's columns and the post-attention norm's
-into gate-up's, and the kernels that already read those projections' outputs (the QKV prologue,
-silu * mul) compute each row's rms from the residual stream and scale by it. The residual adds
-move into the row-parallel projections: o_proj and down_proj add their product to the residual
-stream as they write it (Tensor.addmm_, skinny_gemm(accumulate=True)). A decoder layer then runs
-no norm kernel; only the final norm before the head remains.
+At decode batch sizes a decoder layer's two RMSNorm launches cost more than the bytes they move, and
+each leaves a gap between two GEMMs. Row by row, rmsnorm(x) * w projected through W is
+(x projected through W * w) / rms(x). So at load the input norm's weight is multiplied into the QKV
+projection's columns and the post-attention norm's into gate-up's, and the kernels that already read
+those projections' outputs (the QKV prologue, silu * mul) compute each row's rms from the residual
+stream and scale by it. The residual adds move into the row-parallel projections: o_proj and
+down_proj add their product to the residual stream as they write it (Tensor.addmm_,
+skinny_gemm(accumulate=True)). A decoder layer then runs no norm kernel; only the final norm before
+the head remains.
+
+The fold only flips the layers' state, the model keeps its one forward: a folded RMSNorm hands the
+stream on unchanged, a projection holding a norm's weight hands its readers the row scale
+(ColumnParallelLinear.row_norm), and a row-parallel projection that adds to the residual returns
+None (RowParallelLinear.add_to_residual).
 
 The rounding moves in the last place of the model dtype: the projection sees the un-normalised
 row and a weight rounded once after the multiply, its output is rounded before the scale, and a
@@ -17,29 +22,24 @@ engine to transformers' tokens in fp32, tests/test_gpu_engine.py to its bf16 log
 
 It applies where the data plane runs the fused kernels on one rank, in bf16 or fp32 (not fp16:
 see foldable), to layers without biases. Under tensor parallelism the row-parallel outputs are
-summed by the fused all-reduce + RMSNorm kernel instead. NANOPLANE_FOLD_NORMS=0 keeps the norms.
+summed by the fused all-reduce + RMSNorm kernel instead.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
 
 from models.layers.fused import fused_kernels_enabled
 from models.layers.parallel import tp_size
+from models.llama import DecoderModel
 
-FOLD_ENV = "NANOPLANE_FOLD_NORMS"
 
-
-def foldable(model: nn.Module) -> bool:
-    """Whether fold_norms applies to this loaded model as the data plane runs it."""
-    choice = os.environ.get(FOLD_ENV, "1")
-    if choice not in ("0", "1"):
-        raise ValueError(f"{FOLD_ENV}={choice!r}: expected '0' (keep the norms) or '1' (fold them)")
+def foldable(model: nn.Module, enabled: bool = True) -> bool:
+    """Whether fold_norms applies to this loaded model as the data plane runs it; `enabled=False`
+    keeps the norms."""
     decoder = getattr(model, "model", None)
-    if choice == "0" or not fused_kernels_enabled() or tp_size() > 1 or not hasattr(decoder, "folded"):
+    if not enabled or not fused_kernels_enabled() or tp_size() > 1 or not isinstance(decoder, DecoderModel):
         return False
     if decoder.embed_tokens.weight.dtype == torch.float16:
         # The projections see the un-normalised residual stream, whose large entries (hundreds and
@@ -52,15 +52,26 @@ def foldable(model: nn.Module) -> bool:
     return True
 
 
-def fold_norms(model: nn.Module) -> bool:
-    """Multiply each decoder layer's norm weights into the projections after them and switch the
-    decoder to the folded forward; False (and nothing changed) where foldable() says no."""
-    if not foldable(model) or model.model.folded:
+def folded(model: nn.Module) -> bool:
+    """Whether fold_norms has folded this model's norms."""
+    decoder = getattr(model, "model", None)
+    return isinstance(decoder, DecoderModel) and all(layer.input_layernorm.folded for layer in decoder.layers)
+
+
+def fold_norms(model: nn.Module, enabled: bool = True) -> bool:
+    """Multiply each decoder layer's norm weights into the projections after them and set the layers
+    to run folded; False (and nothing changed) where foldable() says no or it is folded already."""
+    if not foldable(model, enabled) or folded(model):
         return False
     for layer in model.model.layers:
-        _scale_columns(layer.self_attn.qkv_proj.weight, layer.input_layernorm.weight)
-        _scale_columns(layer.mlp.gate_up_proj.weight, layer.post_attention_layernorm.weight)
-    model.model.folded = True
+        attn, mlp = layer.self_attn, layer.mlp
+        folds = ((layer.input_layernorm, attn.qkv_proj), (layer.post_attention_layernorm, mlp.gate_up_proj))
+        for norm, projection in folds:
+            _scale_columns(projection.weight, norm.weight)
+            projection.folded_norm_eps = norm.eps
+            norm.folded = True
+        attn.o_proj.add_to_residual()
+        mlp.down_proj.add_to_residual()
     return True
 
 

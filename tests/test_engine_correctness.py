@@ -10,6 +10,7 @@ import pytest
 from conftest import TINY, hf_greedy
 
 from controlplane import LLM, SamplingParams
+from models.norm_fold import folded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [1, 2, 15, 16, 17, 63, 130, 300]
@@ -29,7 +30,7 @@ def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, bac
     prompts = random_prompts(LENGTHS, seed=len(name))
     llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend)
     try:
-        assert llm.engine.data_plane.runner.model.model.folded == (backend == "triton")
+        assert folded(llm.engine.data_plane.runner.model) == (backend == "triton")
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_chunked_prefills > 0  # 130 and 300 do not fit a 64-token step
     finally:

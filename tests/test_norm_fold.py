@@ -118,27 +118,54 @@ def fused():
     enable_fused_kernels(before)
 
 
-def test_fold_applies_only_where_it_can(fused, monkeypatch):
+def test_fold_applies_only_where_it_can(fused):
     from models.layers.fused import enable_fused_kernels
-    from models.norm_fold import FOLD_ENV, fold_norms, foldable
+    from models.norm_fold import fold_norms, foldable, folded
 
     assert foldable(tiny_qwen3()) and not foldable(tiny_qwen3(bias=True))
     assert not foldable(tiny_qwen3().half())  # fp16 could overflow on the un-normalised rows
-    monkeypatch.setenv(FOLD_ENV, "0")
-    assert not foldable(tiny_qwen3())
-    monkeypatch.setenv(FOLD_ENV, "yes")
-    with pytest.raises(ValueError, match=FOLD_ENV):
-        foldable(tiny_qwen3())
-    monkeypatch.delenv(FOLD_ENV)
+    assert not foldable(tiny_qwen3(), enabled=False)
+    model = tiny_qwen3()
+    assert not fold_norms(model, enabled=False) and not folded(model)
     enable_fused_kernels(False)  # the torch path (CPU default) runs the plain norms
     assert not foldable(tiny_qwen3())
     enable_fused_kernels(True)
-    model = tiny_qwen3()
     weight = model.model.layers[0].mlp.gate_up_proj.weight.detach().clone()
     norm = model.model.layers[0].post_attention_layernorm.weight.detach()
-    assert fold_norms(model) and model.model.folded
+    assert fold_norms(model) and folded(model)
     assert torch.allclose(model.model.layers[0].mlp.gate_up_proj.weight, weight * norm[None, :])
     assert not fold_norms(model)  # once only
+    layer = model.model.layers[1]
+    assert layer.input_layernorm.folded and layer.post_attention_layernorm.folded and not model.model.norm.folded
+    assert layer.self_attn.o_proj.adds_to_residual and layer.mlp.down_proj.adds_to_residual
+    assert layer.self_attn.qkv_proj.folded_norm_eps == layer.input_layernorm.eps
+
+
+def test_only_a_lone_bias_free_projection_adds_to_the_residual():
+    from models.layers.linear import RowParallelLinear
+
+    with pytest.raises(ValueError, match="bias-free"):
+        RowParallelLinear(8, 4, bias=True).add_to_residual()
+    proj = RowParallelLinear(8, 4)
+    proj.weight.data.normal_()
+    x, residual = torch.randn(3, 8), torch.randn(3, 4)
+    expected = residual + x @ proj.weight.T
+    proj.add_to_residual()
+    assert proj(x, residual=residual) is None
+    assert torch.allclose(residual, expected, atol=1e-6)
+
+
+def test_a_folded_norm_hands_the_stream_on():
+    from models.layers.layernorm import RMSNorm
+
+    norm = RMSNorm(8)
+    stream = torch.randn(3, 8)
+    normed, residual = norm(None, stream)  # unfolded: the stream normed
+    assert residual is stream and not torch.equal(normed, stream)
+    norm.folded = True
+    assert norm(None, stream) == (stream, stream)
+    with pytest.raises(ValueError, match="folded norm"):
+        norm(torch.randn(3, 8), stream)
 
 
 @pytest.mark.parametrize("skinny_max_rows", [64, 0])  # 0: the residual adds through Tensor.addmm_ (cuBLAS above 64)
@@ -152,7 +179,7 @@ def test_folded_model_gives_the_unfolded_logits(fused, monkeypatch, skinny_max_r
     from models.layers import linear
     from models.norm_fold import fold_norms
 
-    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", skinny_max_rows)
+    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", skinny_max_rows)  # the setter's global, restored after
     set_backend("triton")
     plain = tiny_qwen3()
     folded = copy.deepcopy(plain)
@@ -188,6 +215,47 @@ def test_folded_model_gives_the_unfolded_logits(fused, monkeypatch, skinny_max_r
         set_backend("torch")  # the default every other test expects
     for plain_logits, folded_logits in zip(*logits, strict=True):
         assert rel_err(folded_logits, plain_logits) < 1e-5
+
+
+def test_a_folded_layer_runs_no_norm_kernel(fused, monkeypatch):
+    """Per layer: QKV, the prologue with the row scale, attention, o_proj adding to the stream, gate-up,
+    silu * mul with the row scale, down adding to the stream; one norm kernel, the final one."""
+    import kernels
+    from models.attention_backend import set_backend
+    from models.context import AttentionContext, reset_context, set_context
+    from models.norm_fold import fold_norms
+
+    calls = []  # (kernel, whether it applies a row scale (a tuple argument) or adds to its output)
+
+    def recorder(name, fn):
+        def record(*args, **kwargs):
+            tupled = any(isinstance(a, tuple) for a in (*args, *kwargs.values()))
+            calls.append((name, bool(kwargs.get("accumulate")) or tupled))
+            return fn(*args, **kwargs)
+        return record
+
+    for name in ("rms_norm", "skinny_gemm", "qkv_prologue", "silu_and_mul", "paged_prefill_attention"):
+        monkeypatch.setattr(kernels, name, recorder(name, getattr(kernels, name)))
+    set_backend("triton")
+    model = tiny_qwen3()
+    assert fold_norms(model)
+    t = 6
+    for layer in model.model.layers:
+        layer.self_attn.attn.k_cache = torch.zeros(1, 16, 2, 16, device=DEV)
+        layer.self_attn.attn.v_cache = torch.zeros(1, 16, 2, 16, device=DEV)
+    set_context(AttentionContext(slot_mapping=torch.arange(t, device=DEV),
+                                 cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32, device=DEV), max_seqlen_q=t,
+                                 context_lens=torch.tensor([t], dtype=torch.int32, device=DEV), max_context_len=t,
+                                 block_tables=torch.tensor([[0]], dtype=torch.int32, device=DEV)))
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, 300, (t,), device=DEV), torch.arange(t, device=DEV))
+    finally:
+        reset_context()
+        set_backend("torch")
+    layer = [("skinny_gemm", False), ("qkv_prologue", True), ("paged_prefill_attention", False),
+             ("skinny_gemm", True), ("skinny_gemm", False), ("silu_and_mul", True), ("skinny_gemm", True)]
+    assert calls == layer * 2 + [("rms_norm", False)]
 
 
 @gpu

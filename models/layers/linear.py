@@ -7,8 +7,6 @@ checkpoint tensors in one weight; their loader is told which part (`shard_id`) i
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,11 +15,17 @@ from models.layers.fused import fused_kernels_enabled
 from models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 # Up to this many rows (a small- or mid-batch decode step) a linear layer mostly streams its weight,
-# which kernels.skinny_gemm does in one launch; it also takes part in programmatic dependent launch,
-# which cuBLAS does not. On the H200 (BENCHMARKS.md) the 0.6B decode graph at 8/16/32/64 rows ran
-# 5-7% faster than with cuBLAS from 5 rows, and the same at 1 row. NANOPLANE_SKINNY_MAX_ROWS moves
-# the threshold (0: cuBLAS always).
-SKINNY_MAX_ROWS = int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "64"))
+# which kernels.skinny_gemm does in one launch and under programmatic dependent launch, unlike cuBLAS.
+DEFAULT_SKINNY_MAX_ROWS = 64
+SKINNY_MAX_ROWS = DEFAULT_SKINNY_MAX_ROWS
+
+
+def set_skinny_max_rows(rows: int) -> None:
+    """The most rows that go through kernels.skinny_gemm (0: cuBLAS always); the data plane sets it."""
+    global SKINNY_MAX_ROWS
+    if rows < 0:
+        raise ValueError(f"skinny GEMM row limit {rows} is negative")
+    SKINNY_MAX_ROWS = rows
 
 
 def _skinny(x: torch.Tensor) -> bool:
@@ -86,6 +90,13 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, tp_size(), "output features"), bias, 0)
+        # The eps of an RMSNorm whose weight was multiplied into this one (models/norm_fold.py).
+        self.folded_norm_eps: float | None = None
+
+    def row_norm(self, x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """(x, eps) when a norm is folded into this projection: the kernel reading its output scales
+        each row by x's 1 / rms (kernels.qkv_prologue, kernels.silu_and_mul); None otherwise."""
+        return None if self.folded_norm_eps is None else (x, self.folded_norm_eps)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -121,6 +132,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(divide(input_size, tp_size(), "input features"), output_size, bias, 1)
+        # Set by models/norm_fold.py: the projection adds its product into the residual stream.
+        self.adds_to_residual = False
+
+    def add_to_residual(self) -> None:
+        """From now on forward adds x @ weight.T into `residual` in its own kernel, the sum rounded once."""
+        if self.tp_size > 1 or self.bias is not None:
+            raise ValueError("only a single rank's bias-free projection adds itself to the residual")
+        self.adds_to_residual = True
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 2:
@@ -128,9 +147,14 @@ class RowParallelLinear(LinearBase):
             loaded = loaded.narrow(1, self.tp_rank * size, size)
         _copy(param, loaded)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True,
+                residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """`reduce=False` leaves the sum over the ranks to the caller (the RMSNorm that follows can
-        fold it into its kernel): this rank's partial product, for a layer without bias."""
+        fold it into its kernel): this rank's partial product, for a layer without bias. Where it
+        adds to the residual stream (add_to_residual), `residual` += the product and None is returned."""
+        if self.adds_to_residual:
+            linear_add_(x, self.weight, residual)
+            return None
         y = linear(x, self.weight)
         if self.tp_size > 1:
             if reduce:
@@ -139,9 +163,3 @@ class RowParallelLinear(LinearBase):
                 raise ValueError("a row-parallel layer with a bias must sum its output itself")
         # The bias is added once, after the partial products are summed.
         return y + self.bias if self.bias is not None else y
-
-    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += x @ weight.T in place (models/norm_fold.py): one rank, no bias."""
-        if self.tp_size > 1 or self.bias is not None:
-            raise ValueError("only a single rank's bias-free projection adds itself to the residual")
-        return linear_add_(x, self.weight, residual)
