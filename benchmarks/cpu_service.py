@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from clients.client import Client  # noqa: E402  (after the path: the script runs from anywhere)
-from controlplane.cli import serve_in_background  # noqa: E402
 from models.default_model import default_model_dir  # noqa: E402
+from nanoplane.demo import serve_in_background  # noqa: E402
 
 # Short, different questions, so the 16 streams share only the chat template's prefix (as real users do).
 QUESTIONS = [

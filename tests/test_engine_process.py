@@ -11,7 +11,7 @@ import grpc
 import psutil
 import pytest
 
-from controlplane.cli import stop_process
+from nanoplane.process import stop_process
 from tests.test_service import Server, embedded_run, greedy, kill_mid_stream, prompts
 
 

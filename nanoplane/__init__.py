@@ -1,0 +1,1 @@
+"""nanoplane: the command line, and what both planes share."""
