@@ -196,7 +196,7 @@ def _at_least(kind: type, low: float, strict: bool = False) -> Callable[[str], A
 def _one_of(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         if raw not in choices:
-            raise ValueError("expected " + " or ".join(repr(c) for c in choices))
+            raise ValueError("expected " + ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}")
         return raw
     return parse
 

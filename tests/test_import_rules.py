@@ -76,6 +76,7 @@ planes = sorted(m for m in sys.modules if m.split('.')[0] in ('dataplane', 'mode
 assert not planes, planes
 import nanoplane.cli, nanoplane.settings
 nanoplane.cli.build_parser()  # every command's flags, the data plane's too, still no torch
+assert nanoplane.cli.main(["health", "--server", "127.0.0.1:9", "--timeout", "0.5"]) == 1  # nothing listens
 planes = sorted(m for m in sys.modules if m.split('.')[0] in ('dataplane', 'models', 'kernels'))
 assert not planes, planes
 from controlplane import SamplingParams
