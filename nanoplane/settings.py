@@ -40,6 +40,7 @@ class Option:
     aliases: tuple[str, ...] = ()  # more flags of `nanoplane dataplane`, each keeping its variable
     required: frozenset[str] = frozenset()  # commands where it must be given (flag or variable)
     defaults: Mapping[str, Any] = field(default_factory=dict)  # per-command defaults that differ
+    helps: Mapping[str, str] = field(default_factory=dict)  # per-command help that differs
 
     @property
     def flag(self) -> str:
@@ -55,6 +56,9 @@ class Option:
     def default_for(self, command: str) -> Any:
         return self.defaults.get(command, self.default)
 
+    def help_for(self, command: str) -> str:
+        return self.helps.get(command, self.help)
+
 
 def env_name(flag: str) -> str:
     """--max-num-seqs -> NANOPLANE_MAX_NUM_SEQS."""
@@ -68,7 +72,8 @@ _SAMPLING = frozenset({"generate"})
 OPTIONS: tuple[Option, ...] = (
     # The engine: LLM keywords, EngineConfig fields; those a data plane reads also reach its ranks.
     Option("model", str, None, "HuggingFace model folder (the embedded SmolLM2-135M when not given)",
-           _ENGINE | {"dataplane"}, dataplane_field="model", required=frozenset({"dataplane"})),
+           _ENGINE | {"dataplane"}, dataplane_field="model", required=frozenset({"dataplane"}),
+           helps={"dataplane": "HuggingFace model folder (required)"}),
     Option("device", str, "auto", "cuda, cuda:N (a data plane's rank r takes cuda:r with cuda), cpu or auto",
            _RANKS, engine=True, dataplane_field="device"),
     Option("dtype", str, "auto", "weights and activations; auto: bf16 on GPU (fp16 if the checkpoint says so), "
@@ -97,7 +102,8 @@ OPTIONS: tuple[Option, ...] = (
            dataplane_field="attention_backend", choices=("auto", "torch", "triton", "flash-attn")),
     Option("seed", int, 0, "seed of rank 0's shared sampling generator", _RANKS, engine=True, dataplane_field="seed"),
     # The data-plane launcher's own.
-    Option("control", str, None, "control plane address: tcp://host:port or ipc:///path", frozenset({"dataplane"}),
+    Option("control", str, None, "control plane address, tcp://host:port or ipc:///path (required)",
+           frozenset({"dataplane"}),
            required=frozenset({"dataplane"})),
     Option("heartbeat_interval", float, 0.5, "seconds between a rank's heartbeats", frozenset({"dataplane"})),
     Option("control_timeout", float, 30.0, "a rank exits when the control plane has been silent this many seconds",
@@ -112,9 +118,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", int, DEFAULT_PORT, "port of the gRPC API", frozenset({"serve", "controlplane"})),
     Option("bind", str, None, "ZeroMQ endpoint data planes connect to (serve: a private ipc:// socket)",
            frozenset({"serve", "controlplane"}), defaults={"controlplane": "tcp://0.0.0.0:5555"}),
-    Option("server", str, None, "HOST:PORT of a running nanoplane (generate: streams the answer from it, and "
-           "the engine flags do not apply)", frozenset({"generate", "health"}),
-           defaults={"health": f"127.0.0.1:{DEFAULT_PORT}"}),
+    Option("server", str, None, "HOST:PORT of a running nanoplane to stream the answer from (the engine flags "
+           "then do not apply)", frozenset({"generate", "health"}), defaults={"health": f"127.0.0.1:{DEFAULT_PORT}"},
+           helps={"health": "HOST:PORT of the server to ask"}),
     Option("timeout", float, 5.0, "seconds to wait for the answer", frozenset({"health"})),
     # One prompt.
     Option("raw", bool, False, "send the prompt as is, without the chat template", _SAMPLING),
@@ -207,7 +213,7 @@ class Variable:
     parse: Callable[[str], Any]
     default: Any
     help: str
-    read_by: str  # the file whose code it moves
+    used_in: str  # the file whose code it moves
 
     @property
     def env(self) -> str:
@@ -280,11 +286,11 @@ def read_tuning(environ: Mapping[str, str] | None = None) -> Tuning:
 
 def tuning_table() -> str:
     """The tuning variables as a Markdown table (docs/operations.md holds a copy; a test compares them)."""
-    rows = ["| Variable | Default | What it does | Read by |", "| --- | --- | --- | --- |"]
+    rows = ["| Variable | Default | What it does | Used in |", "| --- | --- | --- | --- |"]
     for v in TUNING_VARIABLES:
         default = "unset" if v.default is None else "~/.cache/nanoplane" if v.field == "cache" else (
             int(v.default) if isinstance(v.default, bool) else v.default)
-        rows.append(f"| `{v.env}` | `{default}` | {v.help} | `{v.read_by}` |")
+        rows.append(f"| `{v.env}` | `{default}` | {v.help} | `{v.used_in}` |")
     return "\n".join(rows)
 
 
@@ -303,7 +309,7 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
         dest = o.dataplane_field if command == "dataplane" and o.dataplane_field else o.name
         default = o.default_for(command)
         kwargs: dict[str, Any] = dict(dest=dest, default=default,
-                                      help=f"{o.help} (default: {_shown(default)}; env {o.env})")
+                                      help=f"{o.help_for(command)} (default: {_shown(default)}; env {o.env})")
         if o.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if command == "dataplane" else "store_true"
         else:

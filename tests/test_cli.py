@@ -129,7 +129,7 @@ def test_every_flag_explains_itself(capsys):
         for o in settings.options_for(command):
             default = o.default_for(command)
             shown = "none" if default is None else str(default)
-            assert f"{' '.join(o.help.split())} (default: {shown}; env {o.env})" in text, (command, o.name)
+            assert f"{' '.join(o.help_for(command).split())} (default: {shown}; env {o.env})" in text, (command, o.name)
     for command, sub in parser._subparsers._group_actions[0].choices.items():
         flags = {a.option_strings[0] for a in sub._actions if a.option_strings and a.dest != "help"}
         assert flags == {o.flag for o in settings.options_for(command)}, command  # no flag outside settings
