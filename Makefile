@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make run    set up .venv, start the service on the embedded default model, stream an answer through
-#               the gRPC client, stop the service
+#               the gRPC client, stop the service (its logs: ~/.cache/nanoplane/logs/demo.log)
 #   make test   set up .venv, then run the whole test suite (what CI runs, through .ci/run)
 
 PY ?= python3

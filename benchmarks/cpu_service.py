@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from clients.client import Client
-from controlplane.cli import serve_in_background
 from models.default_model import default_model_dir
+from nanoplane.demo import serve_in_background
+from nanoplane.settings import read_tuning
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -348,7 +349,7 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args()
 
-    model = str(default_model_dir())  # convert the default model now, before any clock starts
+    model = str(default_model_dir(read_tuning().cache))  # convert the default model now, before any clock starts
     np_side = run_nanoplane(model, QUESTIONS, args)
     for run in (*np_side.single, *np_side.batch):
         check_lengths(run, args.max_tokens, "nanoplane")

@@ -38,7 +38,7 @@ def embedded(model: str, tp: int, max_tokens: int) -> list[list[int]]:
 
 def served(model: str, tp: int, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     from clients.client import Client
-    from controlplane.cli import serve_in_background
+    from nanoplane.demo import serve_in_background
 
     with serve_in_background(["--model", model, "--tensor-parallel-size", str(tp), *FLAGS], 300,
                              cwd=ROOT) as (address, _), Client(address) as client:

@@ -226,7 +226,7 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
     import psutil
 
     from clients.client import Client
-    from controlplane.cli import serve_in_background
+    from nanoplane.demo import serve_in_background
 
     flags = ["--model", str(path), "--max-model-len", "4096", "--attention-backend", args.attention_backend,
              "--tensor-parallel-size", str(args.tensor_parallel_size)]

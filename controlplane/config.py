@@ -1,4 +1,4 @@
-"""Engine configuration, checked when it is made."""
+"""Engine configuration, checked when it is made; the defaults and meanings are nanoplane.settings'."""
 
 from __future__ import annotations
 
@@ -7,28 +7,30 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanoplane.settings import BY_NAME, engine_default
 from proto.plane import MAX_STEPS_IN_FLIGHT
 
 
 @dataclass(slots=True)
 class EngineConfig:
+    """Each field but the model and hf_config is an engine option of nanoplane.settings (its help says
+    what it does)."""
+
     model: str  # HuggingFace model folder: config.json, *.safetensors, tokenizer files
-    device: str = "auto"  # "cuda", "cuda:N", "cpu", or "auto" (cuda when available)
-    dtype: str = "auto"  # "auto" (bf16 on GPU unless the checkpoint says fp16; fp32 on CPU), float32, float16, bfloat16
-    tensor_parallel_size: int = 1
-    max_num_seqs: int = 256  # requests in one step, and data-plane slots
-    max_num_batched_tokens: int = 16384  # tokens in one step; longer prompts are prefilled in chunks
-    max_model_len: int = 4096  # prompt + output; capped by the model's max_position_embeddings
-    kvcache_block_size: int = 0  # tokens per KV block; 0: the data plane's default (256 on GPU, 16 on CPU)
-    num_kvcache_blocks: int = 0  # set by hand: overrides the memory profile; 0 sizes the cache from memory
-    gpu_memory_utilization: float = 0.9  # share of GPU memory the data plane may use in all
-    cpu_kvcache_gib: float = 2.0  # KV cache budget on a CPU data plane
-    enforce_eager: bool = False  # no decode CUDA graphs (torch.compile is not used at all: BENCHMARKS.md)
-    attention_backend: str = "auto"  # "torch", "triton", "flash-attn" or "auto"
-    seed: int = 0  # seeds the shared sampling generator of rank 0
-    # Steps sent ahead of the result the engine waits for (proto.plane.MAX_STEPS_IN_FLIGHT at most);
-    # 0: the data plane's own choice (2 for GPU ranks over ZeroMQ, else 1: BENCHMARKS.md, "One served stream").
-    steps_in_flight: int = 0
+    device: str = engine_default("device")
+    dtype: str = engine_default("dtype")
+    tensor_parallel_size: int = engine_default("tensor_parallel_size")
+    max_num_seqs: int = engine_default("max_num_seqs")
+    max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
+    max_model_len: int = engine_default("max_model_len")
+    kvcache_block_size: int = engine_default("kvcache_block_size")
+    num_kvcache_blocks: int = engine_default("num_kvcache_blocks")
+    gpu_memory_utilization: float = engine_default("gpu_memory_utilization")
+    cpu_kvcache_gib: float = engine_default("cpu_kvcache_gib")
+    enforce_eager: bool = engine_default("enforce_eager")
+    attention_backend: str = engine_default("attention_backend")
+    seed: int = engine_default("seed")
+    steps_in_flight: int = engine_default("steps_in_flight")
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
 
     def __post_init__(self) -> None:
@@ -41,8 +43,8 @@ class EngineConfig:
         # "auto" stays "auto": the data plane, which has torch, resolves it.
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in BY_NAME["dtype"].choices:
+            raise ValueError(f"dtype must be {' or '.join(BY_NAME['dtype'].choices)}, got {self.dtype!r}")
         bs = self.kvcache_block_size  # 0: the data plane picks (256 on GPU, 16 on CPU)
         if bs != 0 and (bs < 16 or bs & (bs - 1)):
             raise ValueError(f"kvcache_block_size must be a power of two >= 16, got {bs}")
@@ -62,9 +64,9 @@ class EngineConfig:
         if not 0 <= self.steps_in_flight <= MAX_STEPS_IN_FLIGHT:
             raise ValueError(f"steps_in_flight must be 0 (the data plane's choice) to {MAX_STEPS_IN_FLIGHT}, "
                              f"got {self.steps_in_flight}")
-        if self.attention_backend not in ("auto", "torch", "triton", "flash-attn"):
-            raise ValueError("attention_backend must be auto, torch, triton or flash-attn, "
-                             f"got {self.attention_backend!r}")
+        backends = BY_NAME["attention_backend"].choices
+        if self.attention_backend not in backends:
+            raise ValueError(f"attention_backend must be {' or '.join(backends)}, got {self.attention_backend!r}")
 
     @property
     def architecture(self) -> str:

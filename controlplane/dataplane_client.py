@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,11 +28,10 @@ import zmq
 from controlplane.errors import DataPlaneUnavailable  # one "data plane gone" error; the API maps it to UNAVAILABLE
 from nanoplane.liveness import Liveness
 from nanoplane.process import terminate
+from nanoplane.settings import read_tuning
 from proto import codec
 from proto.exit_codes import ExitCode
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
-
-DEFAULT_STEP_TIMEOUT_S = 120.0  # NANOPLANE_STEP_TIMEOUT overrides it; keep it above the slowest legitimate step
 
 log = logging.getLogger("nanoplane.dataplane_client")
 
@@ -74,11 +72,7 @@ class RemoteDataPlane:
         """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any."""
         self.world_size = world_size
         if step_timeout is None:  # a rank that beats but never answers (a hung GPU) is caught only by this
-            raw = os.environ.get("NANOPLANE_STEP_TIMEOUT", str(DEFAULT_STEP_TIMEOUT_S))
-            try:
-                step_timeout = float(raw)
-            except ValueError:
-                raise ValueError(f"NANOPLANE_STEP_TIMEOUT must be a number of seconds, got {raw!r}") from None
+            step_timeout = read_tuning().step_timeout
         self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
         self.start_timeout, self.pending_timeout = start_timeout, pending_timeout
         self._ctx = zmq.Context()

@@ -16,10 +16,15 @@ from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.sampling_params import SamplingParams
 from controlplane.tokenizer import Tokenizer
+from nanoplane.settings import ENGINE_OPTIONS, dataplane_fields
 
 
 class LLM:
     def __init__(self, model: str, **kwargs):
+        """`kwargs`: the engine options of nanoplane.settings (ENGINE_OPTIONS), as EngineConfig takes them."""
+        unknown = sorted(set(kwargs) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine options {unknown}; it takes {', '.join(ENGINE_OPTIONS)}")
         import torch
 
         from dataplane.config import DataPlaneConfig
@@ -29,14 +34,7 @@ class LLM:
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         self.config = cfg = EngineConfig(model, **kwargs)
         self.tokenizer = Tokenizer(cfg.model)
-        data_plane = LocalDataPlane(DataPlaneConfig(
-            model=cfg.model, device=cfg.device, dtype=cfg.dtype, world_size=cfg.tensor_parallel_size,
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=cfg.max_model_len, block_size=cfg.kvcache_block_size,
-            num_kvcache_blocks=cfg.num_kvcache_blocks, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            cpu_kvcache_gib=cfg.cpu_kvcache_gib, enforce_eager=cfg.enforce_eager,
-            attention_backend=cfg.attention_backend, seed=cfg.seed,
-        ))
+        data_plane = LocalDataPlane(DataPlaneConfig(**dataplane_fields(cfg)))
         self.engine = Engine(cfg, data_plane, self.tokenizer.eos_token_ids)
         atexit.register(self.close)
         # Start-up left ~300k objects (torch, the model, Triton's kernels, CUDA graphs) that a full

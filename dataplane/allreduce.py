@@ -29,10 +29,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from nanoplane.settings import Tuning
+
 log = logging.getLogger(__name__)
 
-ENV = "NANOPLANE_ALLREDUCE"
-DEFAULT = "triton"
 # Measured on two NV18-linked H200s (`benchmarks/allreduce.py`, BENCHMARKS.md): in a CUDA graph the
 # one-shot kernel beats NCCL up to 2 MiB (21 vs 31 us), ties at 4 MiB and loses at 8 MiB (62 vs 49).
 # Decode sums are at most max_num_seqs x hidden x 2 bytes (256 x 4096 x 2 = 2 MiB for Qwen3-8B).
@@ -146,22 +146,16 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
 CHOICES = {"symm_mem": SymmMemAllReduce, "triton": TritonOneShotAllReduce}
 
 
-def make_fast_all_reduce(device: torch.device, dtype: torch.dtype, world_size: int) -> SymmMemAllReduce | None:
-    """The all-reduce `NANOPLANE_ALLREDUCE` asks for (the Triton one unless it says otherwise): None
-    (NCCL) for 'nccl', for a run that is not tensor-parallel on CUDA, or where symmetric memory cannot
-    be set up on every rank."""
-    choice = chosen()
+def make_fast_all_reduce(device: torch.device, dtype: torch.dtype, world_size: int,
+                         choice: str = Tuning.allreduce) -> SymmMemAllReduce | None:
+    """The all-reduce `choice` names (the data plane's tuning, NANOPLANE_ALLREDUCE): None (NCCL) for
+    'nccl', for a run that is not tensor-parallel on CUDA, or where symmetric memory cannot be set up
+    on every rank."""
+    if choice != "nccl" and choice not in CHOICES:
+        raise ValueError(f"all-reduce {choice!r}: expected 'nccl', " + " or ".join(repr(c) for c in CHOICES))
     if choice == "nccl" or world_size < 2 or device.type != "cuda":
         return None
     return set_up_everywhere(lambda: CHOICES[choice](device, dtype, meet=False), device)
-
-
-def chosen() -> str:
-    """`NANOPLANE_ALLREDUCE`, checked: 'nccl' or one of CHOICES (DEFAULT when unset or empty)."""
-    choice = os.environ.get(ENV) or DEFAULT
-    if choice != "nccl" and choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}: expected 'nccl', " + " or ".join(repr(c) for c in CHOICES))
-    return choice
 
 
 def set_up_everywhere(make, device: torch.device):

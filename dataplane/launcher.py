@@ -26,6 +26,7 @@ from multiprocessing.connection import wait
 from dataplane.config import DataPlaneConfig
 from dataplane.worker import WorkerOptions, run_rank
 from nanoplane.process import configure_logging, free_port
+from nanoplane.settings import add_options
 from proto.exit_codes import ExitCode, killed_by
 
 # rank and epoch are not flags: the launcher numbers the ranks, the control plane assigns the epoch.
@@ -36,28 +37,9 @@ log = logging.getLogger("nanoplane.launcher")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `nanoplane dataplane`: the launcher's own, then one per DataPlaneConfig field."""
-    parser.add_argument("--model", required=True, help="HuggingFace model folder")
-    parser.add_argument("--control", required=True, help="control plane address: tcp://host:port or ipc:///path")
-    parser.add_argument("--tensor-parallel-size", "--world-size", dest="world_size", type=int, default=1,
-                        help="ranks (processes, one GPU each) to start")
-    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
-    parser.add_argument("--control-timeout", type=float, default=30.0,
-                        help="a rank exits when the control plane has been silent this many seconds")
-    for f in dataclasses.fields(DataPlaneConfig):
-        if f.name in _NOT_FLAGS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "block_size":  # the name `serve` and the embedded engine use comes first (and its
-            # NANOPLANE_KVCACHE_BLOCK_SIZE variable), so one setting reaches both planes
-            parser.add_argument("--kvcache-block-size", flag, dest=f.name, type=int, default=f.default,
-                                help="tokens per KV block (0: 256 on GPU, 16 on CPU)")
-        elif isinstance(f.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        elif f.name == "device":  # the real data plane is on GPUs; keep a CPU-only host working too
-            parser.add_argument(flag, default="auto", help="auto, cpu, cuda (rank r on cuda:r) or cuda:N")
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default, help=f"default {f.default!r}")
+    """Flags of `nanoplane dataplane`, as nanoplane.settings defines them; each DataPlaneConfig field
+    that is a flag has its field name as the flag's dest."""
+    add_options(parser, "dataplane")
 
 
 def _exit_code(code: int | None) -> int | None:

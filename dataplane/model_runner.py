@@ -9,7 +9,6 @@ or min-p rows gather the logits to rank 0, which samples and broadcasts the ids.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +25,8 @@ from dataplane.config import DataPlaneConfig
 from dataplane.cuda_graphs import DecodeGraphs, longest_first
 from dataplane.sampler import Sampler, filtered_rows
 from dataplane.uploader import Uploader
+from kernels import decode_attention
+from kernels.pdl import set_pdl
 from models.attention_backend import resolve_backend_name, set_backend
 from models.context import AttentionContext, reset_context, set_context
 from models.layers.fused import enable_fused_kernels
@@ -34,6 +35,7 @@ from models.layers.parallel import set_fast_all_reduce
 from models.loader import load_model
 from models.norm_fold import fold_norms
 from models.registry import model_class
+from nanoplane.settings import read_tuning
 from proto.plane import MAX_STEPS_IN_FLIGHT, PlaneInfo, StepDescriptor, StepResult
 
 
@@ -92,8 +94,12 @@ class ModelRunner:
         self.backend = resolve_backend_name(cfg.attention_backend, self.device.type)
         set_backend(self.backend)
         enable_fused_kernels(self.backend != "torch")
-        set_skinny_max_rows(int(os.environ.get("NANOPLANE_SKINNY_MAX_ROWS", "64")))
-        set_fast_all_reduce(make_fast_all_reduce(self.device, self.dtype, self.world_size))
+        # The tuning variables are read here, at the rank's start-up, and handed to the kernels and models.
+        self.tuning = tuning = read_tuning()
+        set_pdl(tuning.pdl)
+        decode_attention.configure(tuning.decode_order_waves, tuning.decode_two_split_waves, tuning.decode_early_setup)
+        set_skinny_max_rows(tuning.skinny_max_rows)
+        set_fast_all_reduce(make_fast_all_reduce(self.device, self.dtype, self.world_size, tuning.allreduce))
         self.max_model_len = min(cfg.max_model_len, self.hf_config.max_position_embeddings)
         self.block_size = cfg.block_size or (16 if self.device.type == "cpu" else 256)
 
@@ -105,9 +111,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, cfg.model)
-        fold_norms(self.model, enabled=os.environ.get("NANOPLANE_FOLD_NORMS", "1") != "0")
+        fold_norms(self.model, enabled=tuning.fold_norms)
         self.model.eval()
-        self.sampler = Sampler(self.device, cfg.seed)
+        self.sampler = Sampler(self.device, cfg.seed, fused=tuning.fused_sampler)
         # Before the KV cache takes the memory the scratch logits borrow. Every rank draws from its
         # slice of the vocabulary under tensor parallelism; rank 0 alone draws whole rows.
         head = self.model.lm_head

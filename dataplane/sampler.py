@@ -2,7 +2,8 @@
 
 Two paths, each an exact draw from softmax(logits / T):
 
-- fused (kernels.sample; on CUDA by default, `NANOPLANE_FUSED_SAMPLER=0|1` to choose): two short
+- fused (kernels.sample; on CUDA by default; the data plane's
+  tuning, NANOPLANE_FUSED_SAMPLER=0|1, chooses): two short
   Triton passes over the raw logits, Gumbel-max a group of columns at a time, for every row without
   top-k/top-p/min-p (under tensor parallelism every rank scans its slice of the vocabulary:
   ModelRunner._sample_slices). A row's noise is a function
@@ -22,28 +23,19 @@ reproducible whatever shares its batch.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-# "0": the torch path for every row, "1": the fused kernel wherever it applies; unset: fused on CUDA.
-FUSED_ENV = "NANOPLANE_FUSED_SAMPLER"
-
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, fused: bool | None = None):
         """`fused`: use the Triton kernel for rows without filters; by default on CUDA when triton is
-        installed (on a CPU the kernel runs only in Triton's interpreter: tests)."""
+        installed; True on a CPU runs the kernel in Triton's interpreter (tests)."""
         self.device = device
         self.shared = torch.Generator(device=device)
         self.shared.manual_seed(seed)
-        choice = os.environ.get(FUSED_ENV, "")
-        if choice not in ("", "0", "1"):
-            raise ValueError(f"{FUSED_ENV}={choice!r}: expected '0' (torch sampling) or '1' (the fused kernel)")
-        if fused is None and choice:
-            fused = choice == "1"  # 1 on a CPU: the kernel in Triton's interpreter (tests)
         if fused is None:
             fused = device.type == "cuda" and importlib.util.find_spec("triton") is not None
         self.fused = fused

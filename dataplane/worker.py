@@ -36,6 +36,7 @@ import zmq
 from dataplane.config import DataPlaneConfig
 from nanoplane.liveness import STALL_S, Liveness
 from nanoplane.process import configure_logging, freeze_startup_objects
+from nanoplane.settings import read_tuning
 from proto import codec
 from proto.exit_codes import ExitCode
 from proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult
@@ -226,7 +227,7 @@ class _StepLoop:
     def __init__(self, runner, data: zmq.Socket, epoch: int, rank: int):
         self.runner, self.data, self.epoch, self.rank = runner, data, epoch, rank
         self.steps: deque = deque()
-        every = int(os.environ.get("NANOPLANE_RANK_PACE", "0"))
+        every = read_tuning().rank_pace
         self.pace = _Pace(rank, every) if every > 0 and rank == 0 else None
 
     def run(self, live: _ControlLink) -> None:

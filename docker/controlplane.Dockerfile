@@ -20,6 +20,7 @@ RUN pip install -r /tmp/requirements-controlplane.txt
 # the `nanoplane dataplane` flags from dataplane/launcher.py, which imports no torch.
 WORKDIR /opt/nanoplane
 COPY pyproject.toml README.md ./
+COPY nanoplane ./nanoplane
 COPY proto ./proto
 COPY nanoplane ./nanoplane
 COPY controlplane ./controlplane

@@ -45,6 +45,7 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
 print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
+COPY nanoplane ./nanoplane
 COPY proto ./proto
 COPY nanoplane ./nanoplane
 COPY controlplane ./controlplane

@@ -7,7 +7,6 @@ programs (small batches, long contexts); a second kernel merges the partial soft
 """
 
 import functools
-import os
 
 import torch
 import triton
@@ -30,20 +29,28 @@ TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
 # session). With today's kernel the few-wave cases are mixed (with the order, launches at 7-59 rows
 # took 10% less to 5.5% more time) and the whole run is the same with the order always
 # (BENCHMARKS.md, sixteenth session), so the bound stays.
-# NANOPLANE_DECODE_ORDER_WAVES moves the threshold (0: always).
-ORDER_MIN_WAVES = float(os.environ.get("NANOPLANE_DECODE_ORDER_WAVES", "4"))
+# `configure` moves the threshold (0: always; NANOPLANE_DECODE_ORDER_WAVES).
+ORDER_MIN_WAVES = 4.0
 # Between two and this many waves of one-split programs, two splits: halving every row's work halves
 # the uneven end of the launch, which with few waves outweighs the second kernel. H200, the bench's
 # context mix, since the page-table entry is read a tile ahead: two splits 3% faster at 77 rows,
 # level at 88 and 111, 3% slower at 101 (BENCHMARKS.md, sixteenth session; the bound was 7 waves,
-# 115 rows, before). NANOPLANE_DECODE_TWO_SPLIT_WAVES moves the bound (0: off).
-TWO_SPLIT_WAVES = float(os.environ.get("NANOPLANE_DECODE_TWO_SPLIT_WAVES", "5.5"))
+# 115 rows, before). `configure` moves the bound (0: off; NANOPLANE_DECODE_TWO_SPLIT_WAVES).
+TWO_SPLIT_WAVES = 5.5
 # With programmatic dependent launch, a program loads its row's context length and first page-table
 # entry (and its place in `seq_order`) before it waits for the QKV prologue: none of these is written
 # during the step, and their chain of dependent loads then overlaps the prologue instead of delaying
 # the first K/V tile. H200, seventeenth session (BENCHMARKS.md): the whole run 28,103 / 28,002 against
-# 27,840 / 27,899 tok/s alternated in one call (+0.6%). NANOPLANE_DECODE_EARLY_SETUP=0 waits first.
-EARLY_SETUP = os.environ.get("NANOPLANE_DECODE_EARLY_SETUP", "1") == "1"
+# 27,840 / 27,899 tok/s alternated in one call (+0.6%). `configure(early_setup=False)` waits first.
+EARLY_SETUP = True
+
+
+def configure(order_min_waves: float, two_split_waves: float, early_setup: bool) -> None:
+    """The launch choices above, as the data plane's tuning (nanoplane.settings.Tuning) gives them."""
+    global ORDER_MIN_WAVES, TWO_SPLIT_WAVES, EARLY_SETUP
+    ORDER_MIN_WAVES, TWO_SPLIT_WAVES, EARLY_SETUP = order_min_waves, two_split_waves, early_setup
+
+
 # Below this many tokens per split, the partial-state traffic outweighs the extra parallelism.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64

@@ -20,13 +20,13 @@ kernel may therefore read, before its wait, what only those earlier operations w
 step's context lengths and page tables, written at the step's start); the decode attention does
 (kernels/decode_attention.py, EARLY_SETUP). Writes still come after the wait.
 
-`NANOPLANE_PDL=0` turns it off; it is off on CPUs (the interpreter) and before compute capability 9.
+`set_pdl(False)` turns it off (the data plane does for NANOPLANE_PDL=0); it is off on CPUs (the
+interpreter) and before compute capability 9.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -48,9 +48,18 @@ else:
     _MISSING = False
 
 
+_wanted = [True]  # set_pdl's choice
+
+
+def set_pdl(on: bool) -> None:
+    """Launch the kernels with PDL where the GPU supports it (the default), or never."""
+    _wanted[0] = on
+    _supported.cache_clear()
+
+
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("NANOPLANE_PDL", "1") == "0" or _MISSING:
+    if not _wanted[0] or _MISSING:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 

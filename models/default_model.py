@@ -60,9 +60,10 @@ def find_gguf() -> Path:
 def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """HF folder of the default model, converting it from GGUF on the first call.
 
-    ``cache_dir`` defaults to ``$NANOPLANE_CACHE``, else ``~/.cache/nanoplane``.
+    ``cache_dir``: the command line passes the tuning's (``$NANOPLANE_CACHE``, else ``~/.cache/nanoplane``);
+    without one, ``~/.cache/nanoplane``.
     """
-    root = Path(cache_dir or os.environ.get("NANOPLANE_CACHE") or Path.home() / ".cache" / "nanoplane")
+    root = Path(cache_dir or Path.home() / ".cache" / "nanoplane")
     target = root.expanduser() / MODEL_NAME
     # The folder only ever appears through an atomic rename, so seeing it complete means it is done.
     if _is_complete(target):

@@ -1,1 +1,1 @@
-"""Code shared by both planes and by the command line."""
+"""nanoplane: the command line, and what both planes share."""

@@ -197,7 +197,7 @@ def parse(argv: list[str], env: dict[str, str], where: str) -> tuple[argparse.Ar
     """Parse a container's argv with the CLI, under that container's environment; fail with argparse's
     own message when it refuses."""
     assert argv[:1] == ["nanoplane"], f"{where} runs {argv!r}, not the nanoplane command"
-    from controlplane.cli import build_parser
+    from nanoplane.cli import build_parser
 
     err, problem = io.StringIO(), None
     with only_environment(env), contextlib.redirect_stderr(err):

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from conftest import hf_greedy
 
-from dataplane.allreduce import ENV, chosen, make_fast_all_reduce
+from dataplane.allreduce import make_fast_all_reduce
 from models.layers import parallel
 from nanoplane.process import free_port
+from nanoplane.settings import read_tuning
 
 
 @pytest.fixture
@@ -38,19 +39,16 @@ def test_all_reduce_takes_the_fast_path_or_falls_back_to_the_group(single_rank_g
     assert seen == [4, 6]
 
 
-def test_choice_of_all_reduce(monkeypatch):
-    monkeypatch.setenv(ENV, "ring-of-fire")
+def test_choice_of_all_reduce():
     with pytest.raises(ValueError, match="expected 'nccl', 'symm_mem' or 'triton'"):
-        make_fast_all_reduce(torch.device("cpu"), torch.float32, 2)
-    monkeypatch.setenv(ENV, "symm_mem")
-    assert make_fast_all_reduce(torch.device("cpu"), torch.float32, 2) is None  # CPU ranks: gloo
-    assert make_fast_all_reduce(torch.device("cuda", 0), torch.float32, 1) is None  # one rank: nothing to sum
-    monkeypatch.setenv(ENV, "nccl")
-    assert make_fast_all_reduce(torch.device("cuda", 0), torch.bfloat16, 2) is None  # NCCL asked for
-    monkeypatch.delenv(ENV)
-    assert chosen() == "triton"  # the default: 6.6% more tokens/s than NCCL at TP=2 (BENCHMARKS.md)
-    monkeypatch.setenv(ENV, "")
-    assert chosen() == "triton"
+        read_tuning({"NANOPLANE_ALLREDUCE": "ring-of-fire"})
+    with pytest.raises(ValueError, match="expected 'nccl', 'symm_mem' or 'triton'"):
+        make_fast_all_reduce(torch.device("cpu"), torch.float32, 2, "ring-of-fire")
+    assert make_fast_all_reduce(torch.device("cpu"), torch.float32, 2, "symm_mem") is None  # CPU ranks: gloo
+    assert make_fast_all_reduce(torch.device("cuda", 0), torch.float32, 1, "symm_mem") is None  # one rank
+    assert make_fast_all_reduce(torch.device("cuda", 0), torch.bfloat16, 2, "nccl") is None  # NCCL asked for
+    assert read_tuning({}).allreduce == "triton"  # the default: more tokens/s than NCCL at TP=2 (BENCHMARKS.md)
+    assert read_tuning({"NANOPLANE_ALLREDUCE": ""}).allreduce == "triton"
 
 
 def _set_up(rank: int, port: int, fail: str, queue) -> None:
@@ -195,7 +193,7 @@ def _engine_tokens(path: str, prompts: list[list[int]], choice: str, queue) -> N
 
     from controlplane import LLM, SamplingParams
 
-    os.environ[ENV] = choice  # the spawned rank inherits it
+    os.environ["NANOPLANE_ALLREDUCE"] = choice  # the spawned rank inherits it
     llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, attention_backend="triton",
               kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8)
     try:

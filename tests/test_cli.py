@@ -1,4 +1,5 @@
-"""The `nanoplane` command's flags: each subcommand offers the flags it uses, and `serve` hands its
+"""The `nanoplane` command's flags: each subcommand offers the flags it uses, each explains itself
+(help, default, variable), variables are read for the command being run only, and `serve` hands its
 data plane a command line that the data plane's own parser reads back to the same settings."""
 
 from __future__ import annotations
@@ -8,10 +9,12 @@ import sys
 
 import pytest
 
-from controlplane.cli import build_parser, engine_config
 from controlplane.config import EngineConfig
-from controlplane.serve import dataplane_argv
 from dataplane.launcher import add_arguments
+from nanoplane import settings
+from nanoplane.cli import COMMANDS, build_parser, engine_config, main
+from nanoplane.process import free_port
+from nanoplane.settings import dataplane_argv
 
 
 def dataplane_parser() -> argparse.ArgumentParser:
@@ -64,18 +67,12 @@ def test_the_block_size_has_one_name_on_both_planes(monkeypatch):
 
 
 def test_generate_from_a_server_reports_an_rpc_error_in_one_line(capsys):
-    from controlplane.cli import main
-    from nanoplane.process import free_port
-
     code = main(["generate", "--server", f"127.0.0.1:{free_port()}", "--raw", "hi"])  # nothing listens there
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("nanoplane: UNAVAILABLE: ") and "Traceback" not in err
 
 
 def test_health_of_an_unreachable_server_in_one_line(capsys):
-    from controlplane.cli import main
-    from nanoplane.process import free_port
-
     code = main(["health", "--server", f"127.0.0.1:{free_port()}", "--timeout", "2"])
     err = capsys.readouterr().err
     assert code == 1 and " is not reachable: UNAVAILABLE: " in err
@@ -83,18 +80,68 @@ def test_health_of_an_unreachable_server_in_one_line(capsys):
 
 
 def test_an_empty_server_address_is_refused_not_run_locally(capsys):
-    from controlplane.cli import main
-
     assert main(["generate", "--server", "", "hi"]) == 2
     assert "--server must be HOST:PORT" in capsys.readouterr().err
 
 
-def test_a_bad_environment_value_is_an_argument_error(monkeypatch, capsys):
+def test_a_bad_environment_value_is_ignored_with_a_warning(monkeypatch, capsys):
     monkeypatch.setenv("NANOPLANE_MAX_TOKENS", "abc")
-    with pytest.raises(SystemExit) as exit_info:
-        build_parser()
-    assert exit_info.value.code == 2
-    assert "NANOPLANE_MAX_TOKENS='abc' is not a valid value for --max-tokens" in capsys.readouterr().err
+    assert build_parser().parse_args(["generate", "hi"]).max_tokens == 128
+    assert "ignoring NANOPLANE_MAX_TOKENS='abc': not a valid value for --max-tokens" in capsys.readouterr().err
+    assert build_parser().parse_args(["generate", "--max-tokens", "7", "hi"]).max_tokens == 7  # the flag wins
+    assert capsys.readouterr().err == ""  # and the variable is not even read
+
+
+def test_kubernetes_service_variables_do_not_stop_a_command(monkeypatch, capsys):
+    """A Service named nanoplane makes Kubernetes set NANOPLANE_PORT=tcp://IP:PORT in every pod."""
+    monkeypatch.setenv("NANOPLANE_PORT", "tcp://10.0.0.7:50051")
+    args = build_parser().parse_args(["health"])
+    assert args.server == "127.0.0.1:50051" and capsys.readouterr().err == ""  # not a flag of health: unread
+    args = build_parser().parse_args(["serve"])
+    assert args.port == settings.DEFAULT_PORT
+    assert "ignoring NANOPLANE_PORT='tcp://10.0.0.7:50051'" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "--port", "7000"]).port == 7000
+
+
+def test_a_bad_value_on_the_command_line_is_an_error(capsys):
+    for argv in (["serve", "--port", "tcp://x:1"], ["serve", "--dtype", "int3"], ["health", "--timeout", "soon"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+        assert "invalid" in capsys.readouterr().err
+
+
+def test_variables_are_read_only_for_the_command_being_run(monkeypatch):
+    monkeypatch.setenv("NANOPLANE_MAX_NUM_SEQS", "12")
+    monkeypatch.setenv("NANOPLANE_ENFORCE_EAGER", "1")
+    args = build_parser().parse_args(["serve"])
+    assert args.max_num_seqs == 12 and args.enforce_eager is True
+    monkeypatch.setenv("NANOPLANE_ENFORCE_EAGER", "maybe")  # not a switch value: ignored
+    assert build_parser().parse_args(["demo"]).enforce_eager is False
+
+
+def test_every_flag_explains_itself(capsys):
+    parser = build_parser()
+    for command in COMMANDS:
+        with pytest.raises(SystemExit):
+            parser.parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+        for o in settings.options_for(command):
+            default = o.default_for(command)
+            shown = "none" if default is None else str(default)
+            assert f"{' '.join(o.help_for(command).split())} (default: {shown}; env {o.env})" in text, (command, o.name)
+    for command, sub in parser._subparsers._group_actions[0].choices.items():
+        flags = {a.option_strings[0] for a in sub._actions if a.option_strings and a.dest != "help"}
+        assert flags == {o.flag for o in settings.options_for(command)}, command  # no flag outside settings
+
+
+def test_version_comes_from_the_installed_distribution(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nanoplane {metadata.version('nanoplane')}"
 
 
 def test_waiting_for_a_server_that_never_answers_keeps_its_timeout():

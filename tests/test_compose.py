@@ -1,7 +1,7 @@
 """docker-compose.yml against the real CLI, without a Docker engine.
 
 Every command a container runs (compose `command`/`entrypoint` over the Dockerfile's ENTRYPOINT/CMD,
-and each health check) must parse with `controlplane.cli.build_parser()` under that service's
+and each health check) must parse with `nanoplane.cli.build_parser()` under that service's
 `environment:`; every NANOPLANE_* variable must name a flag of that command and take effect; the two
 planes must agree with each other on model, addresses and GPUs. The images themselves:
 tests/test_docker_images.py.

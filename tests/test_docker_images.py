@@ -161,13 +161,13 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     plane stops the data plane with exit 0 (what `restart: unless-stopped` relies on)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NANOPLANE_", "PYTHON"))}
     image = dict(base, PYTHONPATH=_image_like_path(tmp_path))
-    image_python = [sys.executable, "-S", "-m", "controlplane.cli"]  # -S: not this environment's packages
+    image_python = [sys.executable, "-S", "-m", "nanoplane"]  # -S: not this environment's packages
     model = str(tiny_models["qwen3"])
 
     code = ("import sys\n"
-            "import controlplane.cli, controlplane.serve, controlplane.server, clients.client\n"
+            "import nanoplane.cli, controlplane.serve, controlplane.server, clients.client\n"
             "import controlplane.dataplane_client\n"
-            "controlplane.cli.build_parser()\n"
+            "nanoplane.cli.build_parser()\n"
             "from controlplane.tokenizer import Tokenizer\n"
             f"tok = Tokenizer({model!r})\n"
             "assert tok.decode(tok.encode('the quick brown fox')) == 'the quick brown fox'\n"
@@ -196,7 +196,7 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
                               stderr=subprocess.STDOUT, text=True)
         procs.append(cp)
         assert health()[0] == 1, "healthy with no data plane attached"
-        dp = subprocess.Popen([sys.executable, "-m", "controlplane.cli"] + dp_argv[1:], cwd=ROOT, env=dp_env,
+        dp = subprocess.Popen([sys.executable, "-m", "nanoplane"] + dp_argv[1:], cwd=ROOT, env=dp_env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         procs.append(dp)
         deadline, answer = time.monotonic() + 240, health()

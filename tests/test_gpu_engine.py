@@ -166,8 +166,8 @@ def test_programmatic_dependent_launch_changes_no_result(tiny_models, monkeypatc
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("NANOPLANE_PDL", flag)
-        pdl._supported.cache_clear()
+        monkeypatch.setenv("NANOPLANE_PDL", flag)  # each LLM's ModelRunner reads it and calls set_pdl
+        pdl.set_pdl(flag == "1")
         assert pdl.pdl_enabled(torch.device("cuda", 0)) == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
         for eager in (False, True):
             llm = LLM(str(tiny_models["qwen3"]), device="cuda", dtype="bfloat16", enforce_eager=eager,
@@ -176,6 +176,6 @@ def test_programmatic_dependent_launch_changes_no_result(tiny_models, monkeypatc
                 runs[flag, eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
             finally:
                 llm.close()
-    pdl._supported.cache_clear()
+    pdl.set_pdl(True)
     assert runs["1", False] == runs["0", False]
     assert runs["1", True] == runs["0", True]

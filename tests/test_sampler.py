@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dataplane.sampler import Sampler, apply_filters
+from nanoplane.settings import read_tuning
 
 V = 50
 # The fused path on CPU tensors runs in Triton's interpreter (CI); a CUDA machine compiles kernels
@@ -239,14 +240,14 @@ def test_engine_seeded_request_ignores_chunking_and_the_prefix_cache(tiny_models
     assert again == first and len(set(first)) > 3
 
 
-@pytest.mark.parametrize("value, fused", [("0", False), ("1", True)])
-def test_fused_sampler_variable_chooses_the_path(monkeypatch, value, fused):
-    monkeypatch.setenv("NANOPLANE_FUSED_SAMPLER", value)
-    assert Sampler(torch.device("cpu")).fused is fused
-    assert Sampler(torch.device("cpu"), fused=not fused).fused is (not fused)  # the argument wins
+@pytest.mark.parametrize("value, fused", [("0", False), ("1", True), ("", None)])
+def test_fused_sampler_variable_chooses_the_path(value, fused):
+    """NANOPLANE_FUSED_SAMPLER reaches the sampler through the data plane's tuning (ModelRunner)."""
+    tuning = read_tuning({"NANOPLANE_FUSED_SAMPLER": value})
+    assert tuning.fused_sampler is fused
+    assert Sampler(torch.device("cpu"), fused=tuning.fused_sampler).fused is (fused is True)  # unset: not on a CPU
 
 
-def test_fused_sampler_variable_refuses_other_values(monkeypatch):
-    monkeypatch.setenv("NANOPLANE_FUSED_SAMPLER", "yes")
-    with pytest.raises(ValueError, match="NANOPLANE_FUSED_SAMPLER='yes'"):
-        Sampler(torch.device("cpu"))
+def test_fused_sampler_variable_refuses_other_values():
+    with pytest.raises(ValueError, match="NANOPLANE_FUSED_SAMPLER='maybe'"):
+        read_tuning({"NANOPLANE_FUSED_SAMPLER": "maybe"})

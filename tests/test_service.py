@@ -21,7 +21,7 @@ import pytest
 
 from clients.client import Client
 from controlplane import LLM, SamplingParams
-from controlplane.cli import serve_in_background
+from nanoplane.demo import serve_in_background
 from nanoplane.process import free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded
     the control plane is killed, the data plane exits asking to be restarted."""
     monkeypatch.setenv("NANOPLANE_ENGINE_PROCESS", "1")  # the default layout, whatever this shell says
     model, port, bind = tiny_models["qwen3"], free_port(), f"ipc://{tmp_path}/plane.sock"
-    control = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "controlplane", "--model", str(model),
+    control = subprocess.Popen([sys.executable, "-m", "nanoplane", "controlplane", "--model", str(model),
                                 "--host", "127.0.0.1", "--port", str(port), "--bind", bind,
                                 "--max-num-batched-tokens", "64"], cwd=ROOT)
     data = None
@@ -163,7 +163,7 @@ def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded
             client.model_info()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert not client.server_status().data_plane_ready
-        data = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "dataplane", "--model", str(model),
+        data = subprocess.Popen([sys.executable, "-m", "nanoplane", "dataplane", "--model", str(model),
                                  "--control", bind, "--device", "cpu", "--max-num-batched-tokens", "64"], cwd=ROOT)
         wait_serving(client, control)
         got = [t for chunk in client.generate(prompts()[0], temperature=0.0, max_tokens=16, ignore_eos=True)

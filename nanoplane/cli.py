@@ -1,0 +1,196 @@
+"""The `nanoplane` command.
+
+    nanoplane serve                                  # both planes on this host, the default model
+    nanoplane generate --server 127.0.0.1:50051 "What is the capital of France?"   # stream an answer
+    nanoplane generate "..."                         # no server: the embedded engine
+    nanoplane controlplane --model DIR --bind tcp://0.0.0.0:5555   # the planes apart (containers)
+    nanoplane dataplane --model DIR --control tcp://controlplane:5555 --tensor-parallel-size 2
+    nanoplane health --server 127.0.0.1:50051        # exit 0 while SERVING
+
+Every flag is defined in nanoplane/settings.py and takes its default from the environment, read only
+for the command being run: --max-num-seqs from NANOPLANE_MAX_NUM_SEQS, and so on. This module launches
+things; it imports the planes lazily inside the commands that need them, so `nanoplane controlplane`
+and `nanoplane health` never load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from importlib import metadata
+
+from nanoplane import settings
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine options the command has flags for; EngineConfig's defaults fill in the rest."""
+    return {name: getattr(args, name) for name in settings.ENGINE_OPTIONS if hasattr(args, name)}
+
+
+def resolve_model(model: str | None) -> str:
+    """The given folder, or the embedded default model (converted once from its PyPI package)."""
+    if model:
+        return model
+    from models.default_model import default_model_dir
+
+    return str(default_model_dir(settings.read_tuning().cache))
+
+
+def engine_config(args: argparse.Namespace):
+    from controlplane.config import EngineConfig
+
+    return EngineConfig(resolve_model(args.model), **engine_kwargs(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
+    from controlplane import LLM, SamplingParams
+
+    llm = LLM(resolve_model(args.model), **engine_kwargs(args))
+    prompt: str | list[int] = args.prompt
+    if not args.raw and llm.tokenizer.has_chat_template:
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])[1]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    print(out["text"].strip())
+    llm.close()
+    return 0
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream the answer from a running server, as it is generated."""
+    from clients.client import Client
+
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
+    if args.sampling_seed is not None:
+        sampling["seed"] = args.sampling_seed
+    import grpc
+
+    printed = False
+    try:
+        with Client(args.server) as client:
+            if args.raw:
+                chunks = client.generate(args.prompt, **sampling)
+            else:
+                chunks = client.generate(messages=[{"role": "user", "content": args.prompt}], **sampling)
+            for chunk in chunks:
+                print(chunk.text, end="", flush=True)
+                printed = True
+    except grpc.RpcError as e:  # the server's status and message say it all; a traceback adds nothing
+        if printed:
+            print()
+        print(f"nanoplane: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from controlplane.serve import run_serve
+
+    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind)
+
+
+def cmd_controlplane(args: argparse.Namespace) -> int:
+    from controlplane.serve import run_controlplane
+
+    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's first command: start the service, stream one answer through the client, stop."""
+    from nanoplane.demo import run_demo
+
+    return run_demo(args, engine_kwargs(args))
+
+
+def cmd_dataplane(args: argparse.Namespace) -> int:
+    from dataplane.launcher import launch
+
+    return launch(args)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+
+    from clients.client import Client
+
+    try:
+        with Client(args.server) as client:
+            status = client.health(timeout=args.timeout)
+    except grpc.RpcError as e:  # an unreachable server is simply not healthy
+        print(f"nanoplane: {args.server} is not reachable: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: its flags take their defaults from their NANOPLANE_* variables, read when
+    that command is the one being run (and only then)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        settings.apply_environment(self, sys.argv[1:] if args is None else list(args))
+        return super().parse_known_args(args, namespace)
+
+
+COMMANDS = {
+    "generate": "answer one prompt: from a server (--server) or the embedded engine",
+    "serve": "both planes on this host (the data plane supervised)",
+    "controlplane": "the control plane alone",
+    "demo": "start the service, stream one answer through the gRPC client, stop",
+    "dataplane": "the data plane: one process per tensor-parallel rank",
+    "health": "exit 0 while the server's health service says SERVING",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoplane", description="Serve large language models over gRPC.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    funcs = {"generate": cmd_generate, "serve": cmd_serve, "controlplane": cmd_controlplane, "demo": cmd_demo,
+             "dataplane": cmd_dataplane, "health": cmd_health}
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == "generate":
+            p.add_argument("prompt")
+        elif name == "demo":
+            p.add_argument("prompt", nargs="?", default="What is the capital of France?")
+        settings.add_options(p, name)
+        p.set_defaults(func=funcs[name])
+    return parser
+
+
+def version() -> str:
+    """The installed distribution's version."""
+    try:
+        return metadata.version("nanoplane")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "server", None) is not None and ":" not in args.server:
+        print(f"nanoplane: error: --server must be HOST:PORT, got {args.server!r}", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"nanoplane: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: the user knows; a traceback through grpc's threads says nothing
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `nanoplane generate ... | head`: the reader left; say nothing more
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())
