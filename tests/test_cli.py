@@ -10,7 +10,7 @@ import pytest
 
 from controlplane.cli import build_parser, engine_config
 from controlplane.config import EngineConfig
-from controlplane.serve import dataplane_argv
+from controlplane.supervisor import dataplane_argv
 from dataplane.launcher import add_arguments
 
 

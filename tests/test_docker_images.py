@@ -165,7 +165,8 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     model = str(tiny_models["qwen3"])
 
     code = ("import sys\n"
-            "import controlplane.cli, controlplane.serve, controlplane.server, controlplane.remote, clients.client\n"
+            "import controlplane.cli, controlplane.service, controlplane.grpc_server, controlplane.remote\n"
+            "import clients.client\n"
             "controlplane.cli.build_parser()\n"
             "from controlplane.tokenizer import Tokenizer\n"
             f"tok = Tokenizer({model!r})\n"

@@ -1,7 +1,9 @@
 """The gRPC API when things go wrong: cancelled and expired calls, request ids in use, a data plane
 that stops answering, a bug in the engine loop, readiness pushed by the transport, a server-side
 abort and a shutdown with streams open. Each must end every affected stream with a status code a
-person can act on, free its KV blocks, and leave the server serving."""
+person can act on, free its KV blocks, and leave the server serving. What does not depend on where
+the engine runs is checked against both engine fronts; a data plane that fails on cue and a bug in
+the engine loop are staged in this process (the engine process's own failures: test_engine_process.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from grpc_server import PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
+from grpc_server import FRONTS, PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
 from tiny_models import make_tiny_model
 
 from clients import Client
 from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
-from controlplane.server import SERVICE
-from controlplane.stream import REQUEST_ID_GRACE_S, wait_for_free_id
+from controlplane.front import REQUEST_ID_GRACE_S, wait_for_free_id
+from controlplane.grpc_server import SERVICE
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,9 @@ def model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("grpc-failures") / "tiny", arch="qwen3", seed=3))
 
 
-@pytest.fixture(scope="module")
-def served(model) -> Iterator[tuple[ServerThread, Client]]:
-    with serving(model) as both:
+@pytest.fixture(scope="module", params=FRONTS)
+def served(model, request) -> Iterator[tuple[ServerThread, Client]]:
+    with serving(model, front=request.param) as both:
         yield both
 
 
@@ -50,7 +52,7 @@ def test_cancel_and_deadline_free_blocks(model):
 def test_duplicate_request_id(served, monkeypatch):
     _, client = served
     # No grace for a cancelled holder of the id: the first stream (200 tokens) may end within it.
-    monkeypatch.setattr("controlplane.stream.REQUEST_ID_GRACE_S", 0.0)
+    monkeypatch.setattr("controlplane.front.REQUEST_ID_GRACE_S", 0.0)
     first = client.generate(PROMPTS[0], request_id="dup", max_tokens=200, ignore_eos=True)
     assert next(first).request_id == "dup"
     err = rpc_error(lambda: list(client.generate(PROMPTS[1], request_id="dup", max_tokens=4)))
@@ -133,7 +135,7 @@ def test_data_plane_failure_and_recovery(model, error, caplog):
         assert c.health() == "NOT_SERVING" and c.health(SERVICE) == "NOT_SERVING"
         s.plane.fail = False  # the recover hook now succeeds
         wait_health(c, "SERVING")
-        assert s.restarts == 1 and s.server.engine.engine.step_id == 0
+        assert s.restarts == 1 and s.server.front.loop.engine.step_id == 0
         assert len([t for ch in c.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
 
 
@@ -142,7 +144,7 @@ def test_a_bug_in_the_engine_loop_ends_the_streams_instead_of_the_thread(model, 
     not kill the thread with streams waiting on it: they end with UNAVAILABLE, the error is logged with
     its traceback, and the engine re-attaches and serves again."""
     with serving(model, flaky=True) as (s, c):
-        engine = s.server.engine
+        engine = s.server.front.loop
         stream = c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True, timeout=30)  # no hang if it breaks
         next(stream)
         snapshot = engine._snapshot
@@ -164,11 +166,11 @@ def test_a_bug_in_the_engine_loop_ends_the_streams_instead_of_the_thread(model, 
 def test_readiness_pushed_by_transport(served):
     """set_data_plane_ready: the push-style hook (e.g. a heartbeat lost while idle, then regained)."""
     server, client = served
-    server.server.engine.set_data_plane_ready(False, "rank 1 missed its heartbeats")
+    server.server.front.set_data_plane_ready(False, "rank 1 missed its heartbeats")
     wait_health(client, "NOT_SERVING")
     err = rpc_error(lambda: list(client.generate(PROMPTS[0], max_tokens=2)))
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "heartbeats" in err.details()
-    server.server.engine.set_data_plane_ready(True)
+    server.server.front.set_data_plane_ready(True)
     wait_health(client, "SERVING")
     assert client.generate_text(PROMPTS[0], max_tokens=2, ignore_eos=True) is not None
 
@@ -184,4 +186,4 @@ def test_server_side_abort(served):
 
 
 async def _abort(server: ServerThread, request_id: str) -> bool:
-    return server.server.engine.abort(request_id)  # AsyncEngine.abort belongs to the event loop thread
+    return server.server.front.abort(request_id)  # EngineFront.abort belongs to the event loop thread

@@ -50,7 +50,8 @@ def test_control_plane_runs_without_torch(tiny_models):
     code = f"""
 import sys
 import controlplane, controlplane.engine, controlplane.scheduler, controlplane.block_manager
-import controlplane.remote, controlplane.server, controlplane.async_engine, controlplane.serve, clients.client
+import controlplane.remote, controlplane.grpc_server, controlplane.engine_loop, controlplane.service, clients.client
+import controlplane.front_inproc, controlplane.front_process, controlplane.engine_process, controlplane.supervisor
 planes = sorted(m for m in sys.modules if m.split('.')[0] in ('dataplane', 'models', 'kernels'))
 assert not planes, planes
 import controlplane.cli
