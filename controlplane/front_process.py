@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 # A dead engine process is replaced after this long (a crash loop must not spin).
 RESTART_INTERVAL_S = 1.0
 # The serving process kills an engine process it has heard nothing from for this long (from its start,
-# or its last event); a live one beats every engine_child.BEAT_INTERVAL_S.
+# or its last event); a live one beats every engine_process.BEAT_INTERVAL_S.
 ENGINE_SILENCE_S = 10.0
 
 

@@ -8,7 +8,6 @@ data plane launched as `nanoplane serve` launches it, attached to that process o
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import tempfile
 import threading
 import time
@@ -23,7 +22,7 @@ from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.front_inproc import InProcessFront
 from controlplane.service import build_process_server, build_server
-from controlplane.supervisor import dataplane_argv
+from controlplane.supervisor import DataPlaneSupervisor, dataplane_argv
 from dataplane.config import DataPlaneConfig
 from dataplane.local import LocalDataPlane
 from proto.nanoplane.v1 import generation_pb2 as pb
@@ -62,13 +61,15 @@ class ServerThread:
         """`flaky` (in-process only): a FlakyDataPlane, and a recover hook that counts restarts."""
         cfg = EngineConfig(model, device="cpu", max_model_len=MAX_LEN, num_kvcache_blocks=BLOCKS, max_num_seqs=SEQS)
         self.restarts = 0
-        self.data_plane: subprocess.Popen | None = None  # the engine process's, a process of its own
+        self.supervisor: DataPlaneSupervisor | None = None  # the engine process's data plane, as serve keeps it
         self._dir: tempfile.TemporaryDirectory | None = None
         if front == "engine-process":
             assert not flaky, "a FlakyDataPlane lives in this process; the engine process has its own client"
             self._dir = tempfile.TemporaryDirectory(prefix="nanoplane-test-")
             plane_address = f"ipc://{self._dir.name}/plane.sock"
             self.server = build_process_server(cfg, plane_address, recover_interval_s=0.05)
+            self.supervisor = DataPlaneSupervisor(dataplane_argv(cfg, plane_address), min_restart_interval_s=0.5)
+            self.server.front.add_ready_listener(self.supervisor.on_ready)
         else:
             plane = LocalDataPlane(DataPlaneConfig(model=model, device="cpu", max_num_seqs=SEQS, max_model_len=MAX_LEN,
                                                    block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
@@ -87,11 +88,11 @@ class ServerThread:
         threading.Thread(target=run, daemon=True).start()
         assert started.wait(60)
         self.address = f"127.0.0.1:{self.server.port}"
-        if front == "engine-process":
-            self.data_plane = subprocess.Popen(dataplane_argv(cfg, plane_address))
+        if self.supervisor is not None:
+            self.supervisor.start()
             deadline = time.monotonic() + 120
             while not self.server.front.data_plane_ready:
-                assert time.monotonic() < deadline and self.data_plane.poll() is None, "the data plane never attached"
+                assert time.monotonic() < deadline, "the data plane never attached"
                 time.sleep(0.05)
 
     @property
@@ -111,12 +112,8 @@ class ServerThread:
             asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
             self.loop.call_soon_threadsafe(self.loop.stop)
         finally:
-            if self.data_plane is not None:  # told to exit by the engine process's stop; killed if it did not
-                try:
-                    self.data_plane.wait(30)
-                except subprocess.TimeoutExpired:
-                    self.data_plane.kill()
-                    self.data_plane.wait()
+            if self.supervisor is not None:  # its data plane was told to exit 0 by the engine process's stop
+                self.supervisor.stop()
             if self._dir is not None:
                 self._dir.cleanup()
 

@@ -8,11 +8,13 @@ the engine loop are staged in this process (the engine process's own failures: t
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
+import zmq
 from grpc_server import FRONTS, PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
 from tiny_models import make_tiny_model
 
@@ -187,3 +189,23 @@ def test_server_side_abort(served):
 
 async def _abort(server: ServerThread, request_id: str) -> bool:
     return server.server.front.abort(request_id)  # EngineFront.abort belongs to the event loop thread
+
+
+def test_a_malformed_event_replaces_the_engine_process(model):
+    """Bytes on the events socket that are not the engine link's (a foreign sender, another release)
+    do not crash the serving process: the engine process, which can no longer be trusted with the
+    streams, is killed and a new one serves."""
+    with serving(model, front="engine-process") as (s, client):
+        front = s.server.front
+        first = front._process
+        ctx = zmq.Context()
+        intruder = ctx.socket(zmq.PUSH)
+        intruder.connect(f"ipc://{front._dir}/events.sock")
+        intruder.send(b"NE\x01\xc1 not msgpack")
+        intruder.close(linger=1000)
+        ctx.term()
+        wait_health(client, "NOT_SERVING", timeout=10)
+        assert first.wait(10) == -signal.SIGKILL
+        wait_health(client, "SERVING", timeout=90)
+        assert front._process is not first
+        assert len([t for ch in client.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
