@@ -101,6 +101,10 @@ class EngineLoop:
         """Drop the stream's request; `notify`: deliver it a final ABORT output."""
         self._post(("abort", stream, notify))
 
+    def fail_stream(self, stream: Stream, error: Exception) -> None:
+        """End a stream that never became a request (its consumer's request was refused) with `error`."""
+        self._post(("fail", stream, error))
+
     # ---- any thread ------------------------------------------------------------------------------
 
     def set_data_plane_ready(self, ready: bool, reason: str = "",
@@ -258,6 +262,8 @@ class EngineLoop:
             self.engine.abort(seq.seq_id)
             if notify:
                 deliveries.append((stream, _output(stream, seq, [])))
+        elif kind == "fail":
+            deliveries.append((command[1], command[2]))
         elif kind == "ready":
             _, ready, reason, hook = command
             if hook is not None:

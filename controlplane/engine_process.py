@@ -127,11 +127,15 @@ def engine_main(launch: link.Launch) -> None:
                 break
             if isinstance(msg, link.Add):
                 # Here the stream's id is the serving process's key for it, and outputs go to `deliver`.
-                params = SamplingParams(msg.sampling.temperature, msg.sampling.top_p, msg.sampling.top_k,
-                                        msg.sampling.min_p, msg.sampling.max_tokens, msg.sampling.seed,
-                                        msg.sampling.ignore_eos, list(msg.sampling.stop_token_ids))
-                stream = Stream(msg.key, msg.token_ids, params, queue=None)
+                s = msg.sampling
+                stream = Stream(msg.key, msg.token_ids, None, queue=None)
                 streams[msg.key] = stream
+                try:
+                    stream.params = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens, s.seed,
+                                                   s.ignore_eos, list(s.stop_token_ids))
+                except ValueError as exc:  # checked by the serving process already; refused, not fatal, here
+                    core.fail_stream(stream, exc)
+                    continue
                 core.add_stream(stream)
             elif isinstance(msg, link.Abort):
                 stream = streams.pop(msg.key, None)

@@ -148,7 +148,7 @@ class Launch(msgspec.Struct, frozen=True):
     """What the engine process is started with, as JSON in its command line (encode_launch)."""
 
     version: int  # VERSION of the starting side: a mismatch is refused before anything else happens
-    config: dict[str, str | int | float | bool]  # controlplane.config.EngineConfig's fields but hf_config
+    config: dict[str, str | int | float | bool | None]  # controlplane.config.EngineConfig's fields but hf_config
     data_plane_address: str  # the ZeroMQ endpoint the engine process binds for the data plane's ranks
     commands_address: str  # the serving process's commands socket, which the engine process connects
     events_address: str  # the serving process's events socket, which the engine process connects

@@ -20,8 +20,10 @@ from tiny_models import make_tiny_model
 
 from clients import Client
 from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
-from controlplane.front import REQUEST_ID_GRACE_S, wait_for_free_id
+from controlplane.front import REQUEST_ID_GRACE_S, Stream, wait_for_free_id
 from controlplane.grpc_server import SERVICE
+from controlplane.sampling_params import SamplingParams
+from proto import engine_link as link
 
 
 @pytest.fixture(scope="module")
@@ -208,4 +210,28 @@ def test_a_malformed_event_replaces_the_engine_process(model):
         assert first.wait(10) == -signal.SIGKILL
         wait_health(client, "SERVING", timeout=90)
         assert front._process is not first
+        assert len([t for ch in client.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
+
+
+def test_a_refused_command_is_a_typed_failure_not_an_engine_process_crash(model):
+    """An Add that the serving process would have refused (here a negative temperature, sent past its
+    checks) ends that request with ValueError, carried over the link as a kind and a message; the
+    engine process goes on serving."""
+    with serving(model, front="engine-process") as (s, client):
+        front = s.server.front
+        first = front._process
+
+        async def send_bad_add() -> BaseException:
+            key = 10**9  # far above the keys real requests get here
+            stream = Stream("bad", [5, 6], SamplingParams())
+            front._by_key[key] = stream
+            try:
+                front._send(link.Add(key, [5, 6], link.Sampling(-1.0, 1.0, 0, 0.0, 4, None, False, [])))
+                return await asyncio.wait_for(stream.queue.get(), 10)
+            finally:
+                front._by_key.pop(key, None)
+
+        error = asyncio.run_coroutine_threadsafe(send_bad_add(), s.loop).result(15)
+        assert type(error) is ValueError and "temperature" in str(error)
+        assert front._process is first and first.poll() is None
         assert len([t for ch in client.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
