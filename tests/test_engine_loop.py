@@ -16,6 +16,7 @@ import pytest
 
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
+from controlplane.engine_loop import EngineLoop
 from controlplane.front_inproc import InProcessFront
 from controlplane.sampling_params import SamplingParams
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
@@ -115,3 +116,21 @@ def test_a_steps_tokens_reach_the_stream_after_the_next_step_is_sent(engine_and_
     # t + 1 had been sent too (steps 0..t + 1: t + 2 of them), where there is such a step.
     for token, submitted in handed:
         assert submitted >= min(token + 2, steps), (token, submitted)
+
+
+def test_ready_again_is_logged_on_a_reattach_only(engine_and_plane, caplog):
+    engine, _ = engine_and_plane
+    attached = threading.Event()
+    loop = EngineLoop(None, lambda batch: None, recover=lambda old: engine, recover_interval_s=0.01)
+    loop.add_ready_listener(lambda ready: attached.set() if ready else None)
+    caplog.set_level("INFO", logger="controlplane.engine_loop")
+    loop.start()
+    try:
+        assert attached.wait(10)
+        attached.clear()
+        loop.set_data_plane_ready(False, "a rank missed its heartbeats")
+        assert attached.wait(10)  # recovered by the same recover hook
+    finally:
+        loop.shutdown()
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the data plane is ready")]
+    assert [m.split(":")[0] for m in ready] == ["the data plane is ready", "the data plane is ready again"]

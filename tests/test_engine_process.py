@@ -146,3 +146,23 @@ def test_a_front_never_started_shuts_down_cleanly(tiny_models):
     assert sockets.is_dir() and not front.data_plane_ready and front.facts is None
     front.shutdown()
     assert not sockets.exists()
+
+
+def test_both_fronts_have_the_whole_interface():
+    """The gRPC server is typed to EngineFront: each front has every member, with the parameters it names."""
+    import inspect
+
+    from controlplane.front import EngineFront
+    from controlplane.front_inproc import InProcessFront
+    from controlplane.front_process import ProcessFront
+
+    members = [name for name in vars(EngineFront) if not name.startswith("_")]
+    assert {"facts", "generate", "abort", "status", "start", "shutdown", "set_data_plane_ready"} <= set(members)
+    for front in (InProcessFront, ProcessFront):
+        for name in members:
+            want, got = getattr(EngineFront, name), getattr(front, name, None)
+            assert got is not None, f"{front.__name__} has no {name}"
+            assert isinstance(got, property) == isinstance(want, property), f"{front.__name__}.{name}"
+            if not isinstance(want, property):
+                have = inspect.signature(got).parameters
+                assert all(p in have for p in inspect.signature(want).parameters), f"{front.__name__}.{name}"
