@@ -156,11 +156,10 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
           engine_process: bool = False) -> None:
     """The control plane as `nanoplane serve` runs it (its GIL switch interval too), in this process;
     over ZeroMQ to a rank at `remote` (an ipc:// address) if given, else over an in-process stand-in."""
-    from controlplane.async_engine import AsyncEngine
     from controlplane.config import EngineConfig
     from controlplane.dataplane_client import RemoteDataPlane
-    from controlplane.serve import set_gil_switch_interval
-    from controlplane.server import build_server
+    from controlplane.engine_loop import EngineLoop as AsyncEngine
+    from controlplane.service import build_server, set_gil_switch_interval
 
     set_gil_switch_interval()
     engine_profile, loop_profile = cProfile.Profile(), cProfile.Profile()
@@ -171,7 +170,7 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
     async def main() -> None:
         config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
         if engine_process:
-            from controlplane.engine_process import build_process_server
+            from controlplane.service import build_process_server
 
             server, spans = build_process_server(config, remote), []
         else:
@@ -180,7 +179,7 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
             spans = time_critical_path(plane)
             server = build_server(config, plane)
         port = await server.start()
-        while engine_process and not server.engine.data_plane_ready:  # the engine process attaches the rank
+        while engine_process and not server.front.data_plane_ready:  # the engine process attaches the rank
             await asyncio.sleep(0.05)
         port_queue.put(port)
         while not stop_event.is_set():

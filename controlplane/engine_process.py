@@ -1,312 +1,178 @@
-"""The engine loop in a process of its own, so that it never waits for the gRPC event loop's GIL.
+"""The engine process's main: what `python -m controlplane.engine_process LAUNCH` runs.
 
-In one process the engine thread and the gRPC event loop take turns on one GIL. At 256 streams the
-loop's per-message work stretches the engine's path from a step's result to the next descriptor,
-and on a slower host that path can outgrow the GPU's step (BENCHMARKS.md: the service at 80-86% of
-the embedded engine in three runs where that turnaround was slow, 96-98% in others). So by default
-(`NANOPLANE_ENGINE_PROCESS=0` turns it off) the scheduler, the block manager and the data plane's
-ZeroMQ socket run in a child process (an `AsyncEngine` whose deliveries go to a socket instead of an
-event loop: `engine_child.py`); the serving process keeps the gRPC server, tokenizer and detokenizer
-(this module is its side). Two ipc sockets join them (ZeroMQ sockets are not thread-safe: each has
-one user thread a side, except the serving side's commands, sent under a lock):
-
-- commands, front -> engine: add a request, abort one, readiness pushed from outside, stop;
-- events, engine -> front: each step's outputs as one message, status snapshots, readiness with the
-  engine's facts (for request checks and GetModelInfo).
-
-`EngineClient` has AsyncEngine's interface, so the server does not know which one it drives. If the
-engine process dies, every open stream ends with UNAVAILABLE, health goes NOT_SERVING, and a new
-engine process is started; if the serving process dies, the engine process notices and exits. A
-process that is alive but silent (stopped, or stuck in a call that holds its GIL) would hold every
-stream forever, so the engine process's main thread also sends a beat every BEAT_INTERVAL_S
-(engine_child.py), and after ENGINE_SILENCE_S without any event the serving process kills it and
-treats it as dead. (A stuck engine thread under a live main thread is not caught here; the data
-plane's own heartbeats end its steps.)
+`ProcessFront` (front_process.py, the serving process's side) starts it with a `Launch` (proto/
+engine_link.py) as JSON in its command line. It runs an `EngineLoop` whose deliveries go to the
+events socket, driven by the commands socket, while the main thread beats. It lives apart from the
+serving side because the two never run in one process: the engine process has no use for the gRPC
+server or the tokenizer. The design (the two sockets, the beats, what happens when either process
+dies) is in front_process.py's docstring.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import itertools
 import logging
-import multiprocessing as mp
 import os
-import shutil
-import threading
+import signal
+import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 
 import zmq
 
-from controlplane import runtime_dir
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
-from controlplane.engine_child import EngineFacts, engine_main, unpack_output
-from controlplane.errors import DataPlaneUnavailable
+from controlplane.engine_loop import Delivery, EngineLoop
+from controlplane.errors import failure_kind
+from controlplane.front import EngineFacts, EngineStatus, Stream
 from controlplane.sampling_params import SamplingParams
-from controlplane.server import GenerationServer
-from controlplane.stream import EngineStatus, Output, Stream, read_stream, wait_for_free_id
-from controlplane.tokenizer import Tokenizer
-from nanoplane.liveness import STALL_S
-from nanoplane.process import terminate
+from nanoplane.process import configure_logging, freeze_startup_objects, terminate
+from proto import engine_link as link
+from proto.exit_codes import ExitCode
 
 log = logging.getLogger(__name__)
 
-# A dead engine process is replaced after this long (a crash loop must not spin).
-RESTART_INTERVAL_S = 1.0
-# The serving process kills an engine process it has heard nothing from for this long (from its start,
-# or its last event); a live one beats every engine_child.BEAT_INTERVAL_S.
-ENGINE_SILENCE_S = 10.0
+# The main thread sends a beat this often; the serving process kills an engine process it has heard
+# nothing from for front_process.ENGINE_SILENCE_S.
+BEAT_INTERVAL_S = 1.0
 
 
-def engine_process_enabled() -> bool:
-    """On unless NANOPLANE_ENGINE_PROCESS is 0 or empty. BENCHMARKS.md: with the engine in the serving
-    process the service fell to 80-86% of the embedded engine in three GPU runs (96-98% in the others);
-    in its own process it made 98.8% and 98.9% in the runs alternated with those."""
-    return os.environ.get("NANOPLANE_ENGINE_PROCESS", "1") not in ("", "0")
+def outputs_event(batch: list[Delivery]) -> link.Outputs:
+    """One engine-loop iteration's deliveries as the link's Outputs (the stream ids are the keys)."""
+    items: list[link.Delta | link.Failure] = []
+    for stream, item in batch:
+        if isinstance(item, BaseException):
+            items.append(link.Failure(stream.request_id, failure_kind(item), str(item)))
+            continue
+        reason = item.finish_reason.value if item.finish_reason is not None else None
+        items.append(link.Delta(stream.request_id, item.token_ids, item.finished, reason, item.num_prompt_tokens,
+                                item.num_completion_tokens, item.num_cached_tokens))
+    return link.Outputs(items)
 
 
+def readiness_event(ready: bool, facts: EngineFacts | None, reason: str) -> link.Readiness:
+    wire = None
+    if ready and facts is not None:
+        wire = link.Facts(facts.architecture, facts.tensor_parallel_size, facts.max_model_len, facts.vocab_size,
+                          facts.block_size, facts.kv_capacity_tokens)
+    return link.Readiness(ready, wire, "" if ready else reason)
 
-class EngineClient:
-    """AsyncEngine's interface over an engine process (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, data_plane_address: str, eos_token_ids: tuple[int, ...],
-                 recover_interval_s: float = 1.0, attach_timeout_s: float = 2.0):
-        self._args = (config, data_plane_address, eos_token_ids, recover_interval_s, attach_timeout_s)
-        self._dir = runtime_dir.make("engine-")
-        self._ctx = zmq.Context()
-        self._commands = self._ctx.socket(zmq.PUSH)
-        self._commands.setsockopt(zmq.SNDHWM, 0)  # a burst of requests must not look like a dead engine
-        self._commands.bind(f"ipc://{self._dir}/commands.sock")
-        self._events = self._ctx.socket(zmq.PULL)
-        self._events.bind(f"ipc://{self._dir}/events.sock")
-        self._send_lock = threading.Lock()  # commands go out from the event loop and other threads
-        self._keys = itertools.count()
-        self._newest_key = -1  # the latest key handed out (read by the event-reading thread)
-        self._streams: dict[str, Stream] = {}  # event loop only: request ids in use
-        self._by_key: dict[int, Stream] = {}  # event loop only
-        self._key_of: dict[Stream, int] = {}  # event loop only
-        self._facts: EngineFacts | None = None
-        self._ready = False
-        self._unready_reason = "waiting for a data plane to attach"
-        self._status = EngineStatus(0, 0, 0, 0, False)
-        self._listeners: list[Callable[[bool], None]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._process: mp.process.BaseProcess | None = None
-        self._reader: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._last_word = 0.0  # monotonic time of the engine process's start or its latest event
+def status_event(status: EngineStatus) -> link.Status:
+    return link.Status(status.running, status.waiting, status.kv_blocks_total, status.kv_blocks_used,
+                       status.data_plane_ready)
 
-    # ---- AsyncEngine's interface -----------------------------------------------------------------
 
-    @property
-    def engine(self) -> EngineFacts | None:
-        """The attached engine's facts; None before a data plane has attached."""
-        return self._facts
+def engine_main(launch: link.Launch) -> None:
+    """The engine process's body: serve the commands until Stop or the serving process's exit."""
+    from controlplane.dataplane_client import RemoteDataPlane
 
-    @property
-    def data_plane_ready(self) -> bool:
-        return self._ready
+    configure_logging("engine")
+    # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
+    # open streams first), so the signal itself is not for us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = EngineConfig(**launch.config)
+    eos_token_ids = tuple(launch.eos_token_ids)
+    parent = os.getppid()
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(launch.commands_address)
+    events = ctx.socket(zmq.PUSH)  # the engine thread's alone once it runs
+    events.setsockopt(zmq.LINGER, 1000)
+    events.connect(launch.events_address)
+    beats = ctx.socket(zmq.PUSH)  # this (main) thread's own way to the same events socket
+    beats.setsockopt(zmq.LINGER, 0)
+    beats.connect(launch.events_address)
+    beat = link.encode(link.Beat())
+    beats.send(beat)
+    last_beat = time.monotonic()
+    data_plane = RemoteDataPlane(launch.data_plane_address, world_size=config.tensor_parallel_size)
+    streams: dict[int, Stream] = {}  # key -> stream, for aborts
 
-    def start(self) -> None:
-        """Start the engine process and the thread that reads its events; call from the event loop."""
-        self._loop = asyncio.get_running_loop()
-        self._spawn()
-        self._reader = threading.Thread(target=self._read_events, name="engine-events", daemon=True)
-        self._reader.start()
+    def attach(old: Engine | None) -> Engine:
+        return Engine(config, data_plane, eos_token_ids, start_timeout=launch.attach_timeout_s)
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Output]:
-        """As AsyncEngine.generate."""
-        if self._reader is None:
-            raise RuntimeError("EngineClient.start() was not called")
-        request_id = request_id or uuid.uuid4().hex
-        await wait_for_free_id(self._streams, request_id)
-        facts = self._facts
-        if not self._ready or facts is None:
-            raise DataPlaneUnavailable(self.unavailable_message())
-        token_ids = list(token_ids)
-        facts.validate(token_ids, params)
-        stream, key = Stream(request_id, token_ids, params), next(self._keys)
-        self._newest_key = key
-        self._streams[request_id], self._by_key[key], self._key_of[stream] = stream, stream, key
-        finished = False
-        try:
-            # In the try: if the send fails (the engine process just died), the id and key are released.
-            self._send(("add", key, token_ids, params))
-            async for item in read_stream(stream):
-                finished = item.finished
-                yield item
-        finally:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
-            self._by_key.pop(key, None)
-            self._key_of.pop(stream, None)
-            if not finished:
-                with contextlib.suppress(DataPlaneUnavailable):  # no engine: nothing left to abort
-                    self._send(("abort", key, False))
+    def deliver(batch: list[Delivery]) -> None:
+        for stream, item in batch:
+            if isinstance(item, BaseException) or item.finished:
+                streams.pop(stream.request_id, None)
+        events.send(link.encode(outputs_event(batch)))
 
-    def abort(self, request_id: str) -> bool:
-        """End a running request from the server side; its stream gets a final ABORT output."""
-        stream = self._streams.get(request_id)
-        key = self._key_of.get(stream) if stream is not None else None
-        if key is None:
-            return False
-        self._send(("abort", key, True))
-        return True
-
-    def status(self) -> EngineStatus:
-        """Counters as of the engine process's latest report."""
-        return self._status
-
-    def set_data_plane_ready(self, ready: bool, reason: str = "",
-                             on_engine_thread: Callable[[Engine], None] | None = None) -> None:
-        if on_engine_thread is not None:
-            raise NotImplementedError("on_engine_thread cannot cross into the engine process")
-        self._send(("ready", ready, reason))
-
-    def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
-        """callback(ready) runs on the event-reading thread whenever readiness changes."""
-        self._listeners.append(callback)
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine process (its open streams end with UNAVAILABLE) and release the sockets."""
-        self._stopping.set()
-        process = self._process
-        if process is not None and process.is_alive():
-            with contextlib.suppress(DataPlaneUnavailable):
-                self._send(("stop",))
-            process.join(timeout)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout)
-        if self._reader is not None:
-            self._reader.join(timeout)
-        # Whatever the engine process did not end (it was killed, or never started) ends here.
-        self._call(self._fail_all, (DataPlaneUnavailable("the server is shutting down"), None))
-        self._commands.close(linger=0)
-        self._events.close(linger=0)
-        terminate(self._ctx, "engine-process")
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    # ---- internals -------------------------------------------------------------------------------
-
-    def unavailable_message(self) -> str:
-        return f"the data plane is not available ({self._unready_reason or 'not started'}); retry later"
-
-    def _spawn(self) -> None:
-        config, address, eos, interval, timeout = self._args
-        process = mp.get_context("spawn").Process(
-            target=engine_main, name="nanoplane-engine", daemon=True,
-            args=(config, address, f"ipc://{self._dir}/commands.sock", f"ipc://{self._dir}/events.sock",
-                  eos, interval, timeout))
-        process.start()
-        self._last_word = time.monotonic()
-        self._process = process
-
-    def _send(self, command: tuple) -> None:
-        with self._send_lock:
-            try:
-                self._commands.send_pyobj(command, zmq.NOBLOCK)
-            except zmq.Again:  # no engine process connected (it died, and the next is starting)
-                raise DataPlaneUnavailable(self.unavailable_message()) from None
-            except zmq.ZMQError:  # closed by shutdown: a stream ending late has nobody to tell
-                raise DataPlaneUnavailable("the server is shutting down") from None
-
-    def _read_events(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._events, zmq.POLLIN)
-        passed = time.monotonic()
+    core = EngineLoop(None, deliver, attach, launch.recover_interval_s,
+                      on_status=lambda status: events.send(link.encode(status_event(status))))
+    # The bare reason: ProcessFront.unavailable_message() wraps it in "the data plane is not available (...)".
+    core.add_ready_listener(lambda ready: events.send(link.encode(
+        readiness_event(ready, core.facts, core.unready_reason))))
+    # Objects that live as long as the process (or the engine: the scheduler, the block manager's
+    # blocks) go to Python's permanent generation, so that a full collection does not walk them all
+    # and stall every stream's step meanwhile; again after each attach, for the new engine's (after
+    # collecting what the detached engine left, which a freeze would otherwise keep for good).
+    core.add_ready_listener(lambda ready: freeze_startup_objects(thaw_first=True) if ready else None)
+    core.start()
+    freeze_startup_objects(thaw_first=True)
+    orderly = False  # a Stop from the serving process; otherwise it died and the data plane must restart
+    try:
         while True:
-            process = self._process
-            poller.register(process.sentinel, zmq.POLLIN)
-            ready = dict(poller.poll(200))
-            poller.unregister(process.sentinel)
-            now = time.monotonic()
-            if (stall := now - passed) > STALL_S:  # the loop wakes at least every 0.2 s
-                # This process did not run (SIGSTOP, swap, a frozen container): the engine process's
-                # beats of that time may not have reached the socket yet, so that silence is ours.
-                log.warning("this process did not run for %.1fs: the engine process's silence of that time "
-                            "is not held against it", stall)
-                self._last_word = min(self._last_word + stall, now)
-            passed = now
-            if self._events in ready:
-                self._last_word = time.monotonic()
-                self._on_event(self._events.recv_pyobj())
-            elif process.sentinel in ready and not self._stopping.is_set():
-                self._replace(process)
-            elif not self._stopping.is_set() and time.monotonic() - self._last_word > ENGINE_SILENCE_S:
-                silent = time.monotonic() - self._last_word
-                log.error("the engine process (pid %s) sent nothing for %.1fs; killing it", process.pid, silent)
-                process.kill()  # works on a stopped process too
-                self._replace(process, f"the engine process sent nothing for {silent:.1f}s and was killed")
-            elif self._stopping.is_set() and not process.is_alive() and not self._events.poll(0):
-                return  # the engine process is gone and everything it sent is read
-
-    def _on_event(self, event: tuple) -> None:
-        kind = event[0]
-        if kind == "out":
-            self._call(self._dispatch, event[1])
-        elif kind == "beat":
-            pass  # its arrival is the point
-        elif kind == "status":
-            self._status = event[1]
-        elif kind == "ready":
-            _, ready, facts, reason = event
-            self._facts = facts if ready else self._facts  # GetModelInfo keeps answering, as in-process
-            self._set_ready(ready, "" if ready else reason)
-
-    def _replace(self, process: mp.process.BaseProcess, reason: str | None = None) -> None:
-        """The engine process died (or was killed): fail what it held, then start another (its data
-        plane re-attaches)."""
-        process.join(1.0)  # its sentinel fired: reap it, so that exitcode is known
-        reason = reason or f"the engine process exited with code {process.exitcode}"
-        log.error("%s; starting a new one", reason)
-        self._status = EngineStatus(0, 0, 0, 0, False)
-        self._set_ready(False, reason)
-        # Requests from now on are refused; those up to the newest key were the dead process's.
-        self._call(self._fail_all, (DataPlaneUnavailable(self.unavailable_message()), self._newest_key + 1))
-        if not self._stopping.wait(RESTART_INTERVAL_S):
-            self._spawn()
-
-    def _set_ready(self, ready: bool, reason: str) -> None:
-        changed = ready != self._ready
-        self._ready, self._unready_reason = ready, reason
-        if changed:
-            for callback in self._listeners:
+            if time.monotonic() - last_beat >= BEAT_INTERVAL_S:
+                with contextlib.suppress(zmq.Again):
+                    beats.send(beat, zmq.NOBLOCK)
+                last_beat = time.monotonic()
+            if not commands.poll(500):
+                if os.getppid() != parent:  # the serving process is gone: nobody to stream to
+                    log.warning("the serving process exited; stopping the engine")
+                    break
+                continue
+            try:
+                msg = link.decode_command(commands.recv())
+            except link.LinkError as exc:  # a request lost here would hang its stream: better to start over
+                log.error("stopping the engine: %s", exc)
+                break
+            if isinstance(msg, link.Add):
+                # Here the stream's id is the serving process's key for it, and outputs go to `deliver`.
+                s = msg.sampling
+                stream = Stream(msg.key, msg.token_ids, None, queue=None)
+                streams[msg.key] = stream
                 try:
-                    callback(ready)
-                except Exception:
-                    log.exception("data plane readiness listener failed")
+                    stream.params = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens, s.seed,
+                                                   s.ignore_eos, list(s.stop_token_ids))
+                except ValueError as exc:  # checked by the serving process already; refused, not fatal, here
+                    core.fail_stream(stream, exc)
+                    continue
+                core.add_stream(stream)
+            elif isinstance(msg, link.Abort):
+                stream = streams.pop(msg.key, None)
+                if stream is not None:
+                    core.abort_stream(stream, msg.notify)
+            elif isinstance(msg, link.SetReady):
+                core.set_data_plane_ready(msg.ready, msg.reason)
+            elif isinstance(msg, link.Stop):
+                orderly = True
+                break
+    finally:
+        if not orderly:  # the serving process died: no planned stop, so the data plane must come back
+            data_plane.close(exit_code=ExitCode.RESTART)  # before core.shutdown, whose engine.close() says 0
+        core.shutdown()  # open streams end with UNAVAILABLE; their outputs still go out
+        data_plane.close()
+        events.close()
+        beats.close()
+        commands.close(linger=0)
+        terminate(ctx, "engine")
 
-    def _call(self, fn: Callable, arg) -> None:
-        if self._loop is None:  # never started: no streams
-            return
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
-            self._loop.call_soon_threadsafe(fn, arg)
-
-    def _dispatch(self, batch: list[tuple[int, tuple | BaseException]]) -> None:
-        for key, item in batch:
-            stream = self._by_key.get(key)
-            if stream is None:
-                continue  # the consumer is gone already
-            stream.queue.put_nowait(item if isinstance(item, BaseException) else unpack_output(stream.request_id, item))
-
-    def _fail_all(self, error_and_limit: tuple[BaseException, int | None]) -> None:
-        """End the streams with keys below the limit (None: all of them) with the error."""
-        error, limit = error_and_limit
-        for key in [k for k in self._by_key if limit is None or k < limit]:
-            self._by_key.pop(key).queue.put_nowait(error)
 
 
-def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
-                         model_name: str | None = None, recover_interval_s: float = 1.0,
-                         attach_timeout_s: float = 2.0) -> GenerationServer:
-    """server.build_server with the engine in its own process: the data plane attaches to the engine
-    process at `data_plane_address` (which that process binds)."""
-    tokenizer = Tokenizer(config.model)
-    client = EngineClient(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s)
-    return GenerationServer(client, tokenizer, model_name or Path(config.model).name, address)
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m controlplane.engine_process LAUNCH_JSON (started by the serving process)",
+              file=sys.stderr)
+        return 2
+    try:
+        launch = link.decode_launch(argv[0])
+    except link.LinkError as exc:
+        print(f"nanoplane engine process: {exc}", file=sys.stderr)
+        return 2
+    engine_main(launch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from proto.engine_link import ID_IN_USE, INTERNAL, INVALID, UNAVAILABLE
+
 log = logging.getLogger(__name__)
 
 
@@ -154,3 +156,19 @@ def _wrap_bidi(method: str, behaviour: Callable) -> Callable:
             yield response
 
     return bidi
+
+
+# Errors that cross the engine link travel as a kind and a message (proto/engine_link.py's Failure).
+_KIND_BY_CLASS: tuple[tuple[type[BaseException], str], ...] = (
+    (RequestIdInUse, ID_IN_USE), (DataPlaneUnavailable, UNAVAILABLE), (ValueError, INVALID))
+_CLASS_BY_KIND: dict[str, type[Exception]] = {kind: cls for cls, kind in _KIND_BY_CLASS} | {INTERNAL: RuntimeError}
+
+
+def failure_kind(exc: BaseException) -> str:
+    """The engine link's kind for an exception; "internal" for anything unexpected."""
+    return next((kind for cls, kind in _KIND_BY_CLASS if isinstance(exc, cls)), INTERNAL)
+
+
+def failure_error(kind: str, message: str) -> Exception:
+    """The exception to raise for a failure of this kind that arrived over the engine link."""
+    return _CLASS_BY_KIND.get(kind, RuntimeError)(message)

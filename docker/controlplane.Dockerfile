@@ -33,7 +33,7 @@ RUN pip install --no-deps . && rm -rf build ./*.egg-info
 # (torch above all: it is not installed, so any import of it fails here).
 RUN nanoplane controlplane --help >/dev/null \
     && nanoplane health --help >/dev/null \
-    && python -I -c "import controlplane.serve, controlplane.server, controlplane.dataplane_client, clients.client"
+    && python -I -c "import controlplane.service, controlplane.grpc_server, controlplane.dataplane_client, clients.client"
 
 RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin nanoplane
 USER 10001

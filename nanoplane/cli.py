@@ -90,13 +90,13 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from controlplane.serve import run_serve
+    from controlplane.service import run_serve
 
     return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
-    from controlplane.serve import run_controlplane
+    from controlplane.service import run_controlplane
 
     return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}")
 

@@ -243,9 +243,9 @@ TUNING_VARIABLES: tuple[Variable, ...] = (
              "step's result before it gives the data plane up; keep it above the slowest real step",
              "controlplane/dataplane_client.py"),
     Variable("gil_switch_ms", _at_least(float, 0, strict=True), 0.5, "the control plane's GIL switch interval, "
-             "ms (Python's default is 5)", "controlplane/serve.py"),
+             "ms (Python's default is 5)", "controlplane/service.py"),
     Variable("engine_process", parse_bool, True, "run the service's engine in a process of its own; 0 keeps it "
-             "in the serving process", "controlplane/engine_process.py"),
+             "in the serving process", "controlplane/front_process.py"),
     Variable("cache", str, str(Path.home() / ".cache" / "nanoplane"), "folder of the converted default model "
              "(and the demo's logs)", "models/default_model.py"),
 )

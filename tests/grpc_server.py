@@ -1,9 +1,14 @@
 """A gRPC server on a tiny model in a thread of the test process, and the waits the gRPC tests share
-(tests/test_grpc_api.py: the API as clients use it; tests/test_grpc_failures.py: what goes wrong)."""
+(tests/test_grpc_api.py: the API as clients use it; tests/test_grpc_failures.py: what goes wrong).
+
+The server runs either engine front: in-process (the engine loop on a thread here, the data plane in
+this process too) or engine-process (the default layout: the engine loop in its own process, and a
+data plane launched as `nanoplane serve` launches it, attached to that process over ZeroMQ)."""
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -15,13 +20,16 @@ import pytest
 from clients import Client
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
-from controlplane.server import build_server
+from controlplane.front_inproc import InProcessFront
+from controlplane.service import build_process_server, build_server
+from controlplane.supervisor import DataPlaneSupervisor, dataplane_argv
 from dataplane.config import DataPlaneConfig
 from dataplane.local import LocalDataPlane
 from proto.nanoplane.v1 import generation_pb2 as pb
 
 PROMPTS = ["héllo wörld ☃ 東京 🙂", "the quick brown fox", "paged attention keeps"]
 MAX_LEN, BLOCKS, SEQS = 256, 256, 64
+FRONTS = ["in-process", "engine-process"]
 
 
 class FlakyDataPlane:
@@ -49,13 +57,25 @@ class FlakyDataPlane:
 class ServerThread:
     """A server on its own event loop in a daemon thread, so tests can use the blocking client."""
 
-    def __init__(self, model: str, flaky: bool = False):
+    def __init__(self, model: str, flaky: bool = False, front: str = "in-process"):
+        """`flaky` (in-process only): a FlakyDataPlane, and a recover hook that counts restarts."""
         cfg = EngineConfig(model, device="cpu", max_model_len=MAX_LEN, num_kvcache_blocks=BLOCKS, max_num_seqs=SEQS)
-        plane = LocalDataPlane(DataPlaneConfig(model=model, device="cpu", max_num_seqs=SEQS, max_model_len=MAX_LEN,
-                                               block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
-        self.plane = FlakyDataPlane(plane) if flaky else plane
         self.restarts = 0
-        self.server = build_server(cfg, self.plane, recover=self.restart if flaky else None, recover_interval_s=0.05)
+        self.supervisor: DataPlaneSupervisor | None = None  # the engine process's data plane, as serve keeps it
+        self._dir: tempfile.TemporaryDirectory | None = None
+        if front == "engine-process":
+            assert not flaky, "a FlakyDataPlane lives in this process; the engine process has its own client"
+            self._dir = tempfile.TemporaryDirectory(prefix="nanoplane-test-")
+            plane_address = f"ipc://{self._dir.name}/plane.sock"
+            self.server = build_process_server(cfg, plane_address, recover_interval_s=0.05)
+            self.supervisor = DataPlaneSupervisor(dataplane_argv(cfg, plane_address), min_restart_interval_s=0.5)
+            self.server.front.add_ready_listener(self.supervisor.on_ready)
+        else:
+            plane = LocalDataPlane(DataPlaneConfig(model=model, device="cpu", max_num_seqs=SEQS, max_model_len=MAX_LEN,
+                                                   block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
+            self.plane = FlakyDataPlane(plane) if flaky else plane
+            self.server = build_server(cfg, self.plane, recover=self.restart if flaky else None,
+                                       recover_interval_s=0.05)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 
@@ -68,6 +88,16 @@ class ServerThread:
         threading.Thread(target=run, daemon=True).start()
         assert started.wait(60)
         self.address = f"127.0.0.1:{self.server.port}"
+        if self.supervisor is not None:
+            self.supervisor.start()
+            deadline = time.monotonic() + 120
+            while not self.server.front.data_plane_ready:
+                assert time.monotonic() < deadline, "the data plane never attached"
+                time.sleep(0.05)
+
+    @property
+    def in_process(self) -> bool:
+        return isinstance(self.server.front, InProcessFront)
 
     def restart(self, old: Engine) -> Engine | None:
         """The recover hook: once the plane works again, a new engine over a restarted rank 0 (fresh
@@ -78,8 +108,14 @@ class ServerThread:
         return Engine(old.config, old.data_plane, tuple(old.scheduler.eos_token_ids))
 
     def stop(self, grace: float = 1.0) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result(30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        finally:
+            if self.supervisor is not None:  # its data plane was told to exit 0 by the engine process's stop
+                self.supervisor.stop()
+            if self._dir is not None:
+                self._dir.cleanup()
 
 
 def wait_idle(client: Client, timeout: float = 10.0) -> pb.ServerStatus:
@@ -107,9 +143,9 @@ def wait_health(client: Client, want: str, timeout: float = 5.0) -> None:
 
 
 @contextmanager
-def serving(model: str, flaky: bool = False) -> Iterator[tuple[ServerThread, Client]]:
+def serving(model: str, flaky: bool = False, front: str = "in-process") -> Iterator[tuple[ServerThread, Client]]:
     """A server of its own and a client of it, for a test that breaks or slows what it serves."""
-    s = ServerThread(model, flaky)
+    s = ServerThread(model, flaky, front)
     try:
         with Client(s.address) as client:
             yield s, client

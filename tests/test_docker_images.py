@@ -165,8 +165,8 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     model = str(tiny_models["qwen3"])
 
     code = ("import sys\n"
-            "import nanoplane.cli, controlplane.serve, controlplane.server, clients.client\n"
-            "import controlplane.dataplane_client\n"
+            "import nanoplane.cli, controlplane.service, controlplane.grpc_server, controlplane.dataplane_client\n"
+            "import clients.client\n"
             "nanoplane.cli.build_parser()\n"
             "from controlplane.tokenizer import Tokenizer\n"
             f"tok = Tokenizer({model!r})\n"

@@ -26,8 +26,8 @@ def engine_process(monkeypatch):
 
 
 def engine_processes(server: Server) -> list[psutil.Process]:
-    # multiprocessing's spawn start: `python -c "from multiprocessing.spawn import spawn_main; ..."`
-    return [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    # ProcessFront starts `python -m controlplane.engine_process LAUNCH`
+    return [c for c in psutil.Process(server.proc.pid).children() if "controlplane.engine_process" in c.cmdline()]
 
 
 def test_streams_equal_the_embedded_engine_and_bad_input_is_refused(tiny_models, embedded_tokens, engine_process):
@@ -66,7 +66,7 @@ def test_frozen_engine_process_is_killed_and_replaced(tiny_models, embedded_toke
     """An engine process that is alive but silent (SIGSTOP here; a call holding its GIL looks the same)
     would hold every stream forever: after ENGINE_SILENCE_S without a beat it is killed, the open
     streams end with UNAVAILABLE and a new engine process serves."""
-    from controlplane.engine_process import ENGINE_SILENCE_S
+    from controlplane.front_process import ENGINE_SILENCE_S
 
     server = Server(tiny_models["qwen3"], 1)
     try:
@@ -135,14 +135,34 @@ def test_stopping_the_service_ends_open_streams_and_the_engine_process(tiny_mode
         server.close()
 
 
-def test_a_client_never_started_shuts_down_cleanly(tiny_models):
+def test_a_front_never_started_shuts_down_cleanly(tiny_models):
     from pathlib import Path
 
     from controlplane.config import EngineConfig
-    from controlplane.engine_process import EngineClient
+    from controlplane.front_process import ProcessFront
 
-    client = EngineClient(EngineConfig(str(tiny_models["qwen3"]), device="cpu"), "ipc:///nonexistent/plane.sock", ())
-    sockets = Path(client._dir)
-    assert sockets.is_dir() and not client.data_plane_ready and client.engine is None
-    client.shutdown()
+    front = ProcessFront(EngineConfig(str(tiny_models["qwen3"]), device="cpu"), "ipc:///nonexistent/plane.sock", ())
+    sockets = Path(front._dir)
+    assert sockets.is_dir() and not front.data_plane_ready and front.facts is None
+    front.shutdown()
     assert not sockets.exists()
+
+
+def test_both_fronts_have_the_whole_interface():
+    """The gRPC server is typed to EngineFront: each front has every member, with the parameters it names."""
+    import inspect
+
+    from controlplane.front import EngineFront
+    from controlplane.front_inproc import InProcessFront
+    from controlplane.front_process import ProcessFront
+
+    members = [name for name in vars(EngineFront) if not name.startswith("_")]
+    assert {"facts", "generate", "abort", "status", "start", "shutdown", "set_data_plane_ready"} <= set(members)
+    for front in (InProcessFront, ProcessFront):
+        for name in members:
+            want, got = getattr(EngineFront, name), getattr(front, name, None)
+            assert got is not None, f"{front.__name__} has no {name}"
+            assert isinstance(got, property) == isinstance(want, property), f"{front.__name__}.{name}"
+            if not isinstance(want, property):
+                have = inspect.signature(got).parameters
+                assert all(p in have for p in inspect.signature(want).parameters), f"{front.__name__}.{name}"

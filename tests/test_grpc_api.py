@@ -1,6 +1,8 @@
 """The public gRPC API end to end: a real grpc.aio server on 127.0.0.1 (ephemeral port), a tiny
-random model, the in-process data plane, and the Python client library. What happens when calls
-are cancelled or the data plane fails: tests/test_grpc_failures.py."""
+random model, and the Python client library; each test runs against both engine fronts (the engine
+in this process over an in-process data plane, and the default layout: the engine in its own
+process, a data plane process attached to it). What happens when calls are cancelled or the data
+plane fails: tests/test_grpc_failures.py."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_server import BLOCKS, MAX_LEN, PROMPTS, ServerThread, rpc_error, wait_idle
+from grpc_server import BLOCKS, FRONTS, MAX_LEN, PROMPTS, ServerThread, rpc_error, wait_idle
 from tiny_models import make_tiny_model
 
 from clients import AsyncClient, Client
+from controlplane.grpc_server import SERVICE
 from controlplane.llm import LLM
 from controlplane.sampling_params import SamplingParams
-from controlplane.server import SERVICE
 from proto.nanoplane.v1 import generation_pb2 as pb
 from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
@@ -27,9 +29,9 @@ def model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("grpc") / "tiny", arch="qwen3", seed=3))
 
 
-@pytest.fixture(scope="module")
-def server(model):
-    s = ServerThread(model)
+@pytest.fixture(scope="module", params=FRONTS)
+def server(model, request):
+    s = ServerThread(model, front=request.param)
     yield s
     s.stop()
 
@@ -249,10 +251,13 @@ def test_garbage_bytes_and_unknown_fields(server, client):
     wait_idle(client)
 
 
-def test_idle_engine_thread_sleeps(server, client):
+def test_idle_engine_sleeps(server, client):
+    """An idle engine spends no CPU: its thread (in-process), or its whole process, sleeps."""
     wait_idle(client)
-    thread = server.server.engine._thread
-    stat = f"/proc/self/task/{thread.native_id}/stat"
+    if server.in_process:
+        stat = f"/proc/self/task/{server.server.front.loop._thread.native_id}/stat"
+    else:
+        stat = f"/proc/{server.server.front._process.pid}/stat"
     if not Path(stat).exists():
         pytest.skip("needs Linux /proc")
 

@@ -1,23 +1,29 @@
 """The gRPC API when things go wrong: cancelled and expired calls, request ids in use, a data plane
 that stops answering, a bug in the engine loop, readiness pushed by the transport, a server-side
 abort and a shutdown with streams open. Each must end every affected stream with a status code a
-person can act on, free its KV blocks, and leave the server serving."""
+person can act on, free its KV blocks, and leave the server serving. What does not depend on where
+the engine runs is checked against both engine fronts; a data plane that fails on cue and a bug in
+the engine loop are staged in this process (the engine process's own failures: test_engine_process.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from grpc_server import PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
+import zmq
+from grpc_server import FRONTS, PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
 from tiny_models import make_tiny_model
 
 from clients import Client
 from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
-from controlplane.server import SERVICE
-from controlplane.stream import REQUEST_ID_GRACE_S, wait_for_free_id
+from controlplane.front import REQUEST_ID_GRACE_S, Stream, wait_for_free_id
+from controlplane.grpc_server import SERVICE
+from controlplane.sampling_params import SamplingParams
+from proto import engine_link as link
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +31,9 @@ def model(tmp_path_factory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("grpc-failures") / "tiny", arch="qwen3", seed=3))
 
 
-@pytest.fixture(scope="module")
-def served(model) -> Iterator[tuple[ServerThread, Client]]:
-    with serving(model) as both:
+@pytest.fixture(scope="module", params=FRONTS)
+def served(model, request) -> Iterator[tuple[ServerThread, Client]]:
+    with serving(model, front=request.param) as both:
         yield both
 
 
@@ -50,7 +56,7 @@ def test_cancel_and_deadline_free_blocks(model):
 def test_duplicate_request_id(served, monkeypatch):
     _, client = served
     # No grace for a cancelled holder of the id: the first stream (200 tokens) may end within it.
-    monkeypatch.setattr("controlplane.stream.REQUEST_ID_GRACE_S", 0.0)
+    monkeypatch.setattr("controlplane.front.REQUEST_ID_GRACE_S", 0.0)
     first = client.generate(PROMPTS[0], request_id="dup", max_tokens=200, ignore_eos=True)
     assert next(first).request_id == "dup"
     err = rpc_error(lambda: list(client.generate(PROMPTS[1], request_id="dup", max_tokens=4)))
@@ -133,7 +139,7 @@ def test_data_plane_failure_and_recovery(model, error, caplog):
         assert c.health() == "NOT_SERVING" and c.health(SERVICE) == "NOT_SERVING"
         s.plane.fail = False  # the recover hook now succeeds
         wait_health(c, "SERVING")
-        assert s.restarts == 1 and s.server.engine.engine.step_id == 0
+        assert s.restarts == 1 and s.server.front.loop.engine.step_id == 0
         assert len([t for ch in c.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
 
 
@@ -142,7 +148,7 @@ def test_a_bug_in_the_engine_loop_ends_the_streams_instead_of_the_thread(model, 
     not kill the thread with streams waiting on it: they end with UNAVAILABLE, the error is logged with
     its traceback, and the engine re-attaches and serves again."""
     with serving(model, flaky=True) as (s, c):
-        engine = s.server.engine
+        engine = s.server.front.loop
         stream = c.generate(PROMPTS[0], max_tokens=100, ignore_eos=True, timeout=30)  # no hang if it breaks
         next(stream)
         snapshot = engine._snapshot
@@ -164,11 +170,11 @@ def test_a_bug_in_the_engine_loop_ends_the_streams_instead_of_the_thread(model, 
 def test_readiness_pushed_by_transport(served):
     """set_data_plane_ready: the push-style hook (e.g. a heartbeat lost while idle, then regained)."""
     server, client = served
-    server.server.engine.set_data_plane_ready(False, "rank 1 missed its heartbeats")
+    server.server.front.set_data_plane_ready(False, "rank 1 missed its heartbeats")
     wait_health(client, "NOT_SERVING")
     err = rpc_error(lambda: list(client.generate(PROMPTS[0], max_tokens=2)))
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "heartbeats" in err.details()
-    server.server.engine.set_data_plane_ready(True)
+    server.server.front.set_data_plane_ready(True)
     wait_health(client, "SERVING")
     assert client.generate_text(PROMPTS[0], max_tokens=2, ignore_eos=True) is not None
 
@@ -184,4 +190,48 @@ def test_server_side_abort(served):
 
 
 async def _abort(server: ServerThread, request_id: str) -> bool:
-    return server.server.engine.abort(request_id)  # AsyncEngine.abort belongs to the event loop thread
+    return server.server.front.abort(request_id)  # EngineFront.abort belongs to the event loop thread
+
+
+def test_a_malformed_event_replaces_the_engine_process(model):
+    """Bytes on the events socket that are not the engine link's (a foreign sender, another release)
+    do not crash the serving process: the engine process, which can no longer be trusted with the
+    streams, is killed and a new one serves."""
+    with serving(model, front="engine-process") as (s, client):
+        front = s.server.front
+        first = front._process
+        ctx = zmq.Context()
+        intruder = ctx.socket(zmq.PUSH)
+        intruder.connect(f"ipc://{front._dir}/events.sock")
+        intruder.send(b"NE\x01\xc1 not msgpack")
+        intruder.close(linger=1000)
+        ctx.term()
+        wait_health(client, "NOT_SERVING", timeout=10)
+        assert first.wait(10) == -signal.SIGKILL
+        wait_health(client, "SERVING", timeout=90)
+        assert front._process is not first
+        assert len([t for ch in client.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4
+
+
+def test_a_refused_command_is_a_typed_failure_not_an_engine_process_crash(model):
+    """An Add that the serving process would have refused (here a negative temperature, sent past its
+    checks) ends that request with ValueError, carried over the link as a kind and a message; the
+    engine process goes on serving."""
+    with serving(model, front="engine-process") as (s, client):
+        front = s.server.front
+        first = front._process
+
+        async def send_bad_add() -> BaseException:
+            key = 10**9  # far above the keys real requests get here
+            stream = Stream("bad", [5, 6], SamplingParams())
+            front._by_key[key] = stream
+            try:
+                front._send(link.Add(key, [5, 6], link.Sampling(-1.0, 1.0, 0, 0.0, 4, None, False, [])))
+                return await asyncio.wait_for(stream.queue.get(), 10)
+            finally:
+                front._by_key.pop(key, None)
+
+        error = asyncio.run_coroutine_threadsafe(send_bad_add(), s.loop).result(15)
+        assert type(error) is ValueError and "temperature" in str(error)
+        assert front._process is first and first.poll() is None
+        assert len([t for ch in client.generate(PROMPTS[1], max_tokens=4, ignore_eos=True) for t in ch.token_ids]) == 4

@@ -71,7 +71,9 @@ def test_control_plane_runs_without_torch(tiny_models):
     code = f"""
 import sys
 import controlplane, controlplane.engine, controlplane.scheduler, controlplane.block_manager
-import controlplane.dataplane_client, controlplane.server, controlplane.async_engine, controlplane.serve, clients.client
+import controlplane.dataplane_client, controlplane.grpc_server, controlplane.engine_loop, controlplane.service
+import controlplane.front_inproc, controlplane.front_process, controlplane.engine_process, controlplane.supervisor
+import clients.client
 planes = sorted(m for m in sys.modules if m.split('.')[0] in ('dataplane', 'models', 'kernels'))
 assert not planes, planes
 import nanoplane.cli, nanoplane.settings

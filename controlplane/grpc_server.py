@@ -1,8 +1,8 @@
 """The public gRPC server: nanoplane.v1.Generation, grpc.health.v1 and server reflection.
 
 Handlers raise plain exceptions (ValueError, NotImplementedError, ...); `errors.py`'s interceptor
-turns them into status codes. The engine runs on its own thread (`AsyncEngine`); this module only
-converts between protobuf and engine types and turns token ids into text.
+turns them into status codes. The engine runs behind an `EngineFront` (front.py), in this process or
+in its own; this module only converts between protobuf and engine types and turns token ids into text.
 """
 
 from __future__ import annotations
@@ -11,23 +11,19 @@ import asyncio
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from pathlib import Path
 
 import grpc
 import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane.async_engine import AsyncEngine
-from controlplane.config import EngineConfig
 from controlplane.detokenizer import TextStream
-from controlplane.engine import DataPlaneClient, Engine
 from controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
+from controlplane.front import EngineFront, Output
 from controlplane.sampling_params import SamplingParams
 from controlplane.sequence import FinishReason
-from controlplane.stream import Output
 from controlplane.tokenizer import Tokenizer
 from proto.nanoplane.v1 import generation_pb2 as pb
 from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
@@ -105,8 +101,8 @@ def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, list[str
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str):
-        self.engine = engine
+    def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str):
+        self.front = front
         self.tokenizer = tokenizer
         self.model_name = model_name
         # No token covers more characters than its vocabulary entry has (byte-level entries spell
@@ -119,7 +115,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         counting only as far as the limit (Tokenizer.surely_longer): encoding all of it first cost
         hundreds of MB a request. Texts of up to CHEAP_CHARS_PER_TOKEN characters a token go straight
         to the encoder, as nearly every real prompt does. Runs off the event loop."""
-        facts = self.engine.engine
+        facts = self.front.facts
         if facts is None or len(text) <= facts.max_model_len * CHEAP_CHARS_PER_TOKEN:
             return
         if self.tokenizer.surely_longer(text, facts.max_model_len):
@@ -132,7 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _check_text_length(self, n_chars: int) -> None:
         """Refuse text that cannot fit before spending seconds of CPU tokenizing it."""
-        facts = self.engine.engine
+        facts = self.front.facts
         if facts is not None and n_chars > facts.max_model_len * self._max_prompt_chars_per_token:
             raise ValueError(f"the prompt ({n_chars} characters) is longer than max_model_len "
                              f"{facts.max_model_len} tokens can hold")
@@ -140,7 +136,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _chat(self, chat: pb.ChatMessages) -> tuple[str, list[int]]:
         if not chat.messages:
             raise ValueError("messages is empty: give at least one message")
-        facts = self.engine.engine
+        facts = self.front.facts
         # A chat template spends at least a token on each message; this bound comes first so that a
         # flood of empty messages is refused before anything loops over it.
         if facts is not None and len(chat.messages) > facts.max_model_len:
@@ -186,7 +182,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         first = True
         # aclosing: leaving this block for any reason (client gone, stop string, error) closes the
         # engine stream at once, which aborts the request and frees its blocks within a step.
-        async with aclosing(self.engine.generate(token_ids, params, request_id)) as outputs:
+        async with aclosing(self.front.generate(token_ids, params, request_id)) as outputs:
             async for out in outputs:
                 response = pb.GenerateResponse(request_id=request_id, token_ids=out.token_ids,
                                                text=text.push(out.token_ids, finished=out.finished))
@@ -212,30 +208,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.TokenizeResponse(token_ids=ids, text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
-        engine = self.engine.engine
-        if engine is None:  # the facts come from the data plane's handshake
+        facts = self.front.facts
+        if facts is None:  # the facts come from the data plane's handshake
             raise DataPlaneUnavailable("no data plane has attached yet; retry later")
-        info = engine.infos[0]
-        return pb.ModelInfo(model=self.model_name, architecture=info.architecture,
-                            max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                            tensor_parallel_size=info.world_size, kv_block_size=engine.block_size,
+        return pb.ModelInfo(model=self.model_name, architecture=facts.architecture,
+                            max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
+                            tensor_parallel_size=facts.tensor_parallel_size, kv_block_size=facts.block_size,
                             eos_token_ids=self.tokenizer.eos_token_ids,
                             has_chat_template=self.tokenizer.has_chat_template,
-                            kv_capacity_tokens=engine.kv_capacity_tokens)
+                            kv_capacity_tokens=facts.kv_capacity_tokens)
 
     async def GetServerStatus(self, request: pb.GetServerStatusRequest, context) -> pb.ServerStatus:
-        s = self.engine.status()
+        s = self.front.status()
         return pb.ServerStatus(running_requests=s.running, waiting_requests=s.waiting,
                                kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
-                               data_plane_ready=self.engine.data_plane_ready)
+                               data_plane_ready=self.front.data_plane_ready)
 
 
 class GenerationServer:
-    """grpc.aio server around an AsyncEngine. `await start()`, then `await stop()`."""
+    """grpc.aio server around an EngineFront. `await start()`, then `await stop()`."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0",
+    def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0",
                  options: list[tuple[str, object]] | None = None):
-        self.engine = engine
+        self.front = front
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.address = address
@@ -246,10 +241,10 @@ class GenerationServer:
         self._health_tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     async def start(self) -> int:
-        """Bind, start serving and start the engine thread; returns the bound port."""
+        """Bind, start serving and start the engine front; returns the bound port."""
         # Every service: health and reflection too answer a body that does not parse with INVALID_ARGUMENT.
         server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=self.options)
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.engine, self.tokenizer, self.model_name),
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.front, self.tokenizer, self.model_name),
                                                  server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         service_names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -260,9 +255,9 @@ class GenerationServer:
             raise OSError(f"could not bind {self.address}")
         loop = asyncio.get_running_loop()
         # Health follows the data plane: load balancers stop sending requests while it is down.
-        self.engine.add_ready_listener(lambda ready: loop.call_soon_threadsafe(self._health_changed, ready))
-        self.engine.start()
-        await self._set_health(self.engine.data_plane_ready)
+        self.front.add_ready_listener(lambda ready: loop.call_soon_threadsafe(self._health_changed, ready))
+        self.front.start()
+        await self._set_health(self.front.data_plane_ready)
         await server.start()
         self.server = server
         log.info("serving %s on port %d", self.model_name, self.port)
@@ -289,7 +284,7 @@ class GenerationServer:
             # its shutdown blocks, and the handlers must still run to send the status it gives them.
             stopping = asyncio.ensure_future(self.server.stop(grace + _CLOSING_S if grace else grace))
             await asyncio.wait([stopping], timeout=grace or None)
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+        await asyncio.get_running_loop().run_in_executor(None, self.front.shutdown)
         if stopping is not None:
             await stopping
 
@@ -297,23 +292,3 @@ class GenerationServer:
         if self.server is not None:
             await self.server.wait_for_termination()
 
-
-def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str = "127.0.0.1:0",
-                 model_name: str | None = None, recover: Callable[[Engine | None], Engine | None] | None = None,
-                 recover_interval_s: float = 1.0, attach_now: bool = True,
-                 attach_timeout_s: float = 2.0) -> GenerationServer:
-    """Tokenizer + AsyncEngine + server, not yet started.
-
-    attach_now: build the Engine here, which waits for the data plane (slow); otherwise the server
-    starts at once, answers NOT_SERVING, and the engine thread attaches the data plane when it comes.
-    recover: see AsyncEngine; by default a new Engine over the same data-plane client, each attempt
-    waiting at most attach_timeout_s for ranks to report ready.
-    """
-    tokenizer = Tokenizer(config.model)
-
-    def attach(old: Engine | None) -> Engine:
-        return Engine(config, data_plane, tokenizer.eos_token_ids, start_timeout=attach_timeout_s)
-
-    engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
-    return GenerationServer(AsyncEngine(engine, recover or attach, recover_interval_s), tokenizer,
-                            model_name or Path(config.model).name, address)

@@ -1,10 +1,11 @@
-"""The engine loop on its own thread, with one asyncio stream per request in front of it.
+"""The engine loop: the one thread that drives `Engine.step` and hands each step's outputs on.
 
-The Engine is not thread-safe, so exactly one thread ("engine-loop") touches it. The event loop
-talks to that thread through an inbox of commands (add, abort, readiness changes) that the loop
-drains before every step, and gets results back as one `call_soon_threadsafe` per step that fills
-every affected request's asyncio queue: one wake-up of the event loop per step, not per request.
-With nothing to do the thread sleeps on a condition variable.
+The Engine is not thread-safe, so exactly one thread ("engine-loop") touches it. Other threads talk
+to it through an inbox of commands (add, abort, readiness changes) that the loop drains before every
+step; it hands results to `deliver` once per step, as (stream, Output or exception) pairs. Both
+engine fronts run this loop: in the serving process, `deliver` wakes the event loop that fills the
+streams' queues (front_inproc.py); in the engine process, it sends the batch over the link
+(engine_process.py). With nothing to do the thread sleeps on a condition variable.
 
 A step that raises means the data plane is gone: every open stream ends with DataPlaneUnavailable,
 their requests are dropped (blocks freed), and new requests are refused until the plane is back.
@@ -17,48 +18,46 @@ heartbeat).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 
 from controlplane.engine import Engine
 from controlplane.errors import DataPlaneUnavailable
-from controlplane.sampling_params import SamplingParams
+from controlplane.front import EngineFacts, EngineStatus, Output, Stream
 from controlplane.sequence import Sequence as EngineSequence
-from controlplane.stream import EngineStatus, Output, Stream, read_stream, wait_for_free_id
 
 log = logging.getLogger(__name__)
 
 # When a step schedules nothing although requests are queued (they wait for blocks), sleep this
 # long before trying again instead of spinning; new commands still wake the loop at once.
 IDLE_RETRY_S = 0.005
+
+Delivery = tuple[Stream, Output | BaseException]
+
+
 def _output(stream: Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
     return Output(stream.request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
                   seq.num_completion_tokens, seq.num_cached_prompt_tokens)
 
 
-class AsyncEngine:
-    def __init__(self, engine: Engine | None, recover: Callable[[Engine | None], Engine | None] | None = None,
-                 recover_interval_s: float = 1.0, deliver: Callable[[list], None] | None = None,
+class EngineLoop:
+    def __init__(self, engine: Engine | None, deliver: Callable[[list[Delivery]], None],
+                 recover: Callable[[Engine | None], Engine | None] | None = None, recover_interval_s: float = 1.0,
                  on_status: Callable[[EngineStatus], None] | None = None):
-        """`recover(engine)` runs on the engine thread while the data plane is down. It returns the
+        """`deliver(batch)`, called on the engine thread, takes each batch of (stream, Output or
+        exception) for the streams; `on_status(status)`, likewise, every changed status snapshot.
+
+        `recover(engine)` runs on the engine thread while the data plane is down. It returns the
         engine to go on with, attached to a working plane: the same one re-synced, or a new Engine
         over the restarted plane (today's way: a new Engine starts at step 0 of the new epoch with
         an empty prefix cache). None or an exception: still down, try again later. It may block:
-        meanwhile new requests are refused on the event loop without waiting for it. The old engine
-        is dropped, not closed, because it shares its data-plane client with the new one.
+        meanwhile new requests are refused without waiting for it. The old engine is dropped, not
+        closed, because it shares its data-plane client with the new one.
 
         `engine` None: no data plane yet; the server answers (health NOT_SERVING) while `recover(None)`
-        attaches the first one.
-
-        `deliver(batch)` and `on_status(status)`, both called on the engine thread, take the place of
-        the event loop when the streams live in another process (`engine_child.py`): `deliver`
-        gets each batch of (stream, Output or exception) instead of the streams' queues, `on_status`
-        every changed status snapshot."""
+        attaches the first one."""
         self.engine = engine
         self._recover = recover
         self._recover_interval_s = recover_interval_s
@@ -67,82 +66,44 @@ class AsyncEngine:
         self._inbox: list[tuple] = []
         self._stopping = False
         self._ready = engine is not None
+        self._attached = engine is not None  # whether an engine has ever been ready: the next is a re-attach
         self._unready_reason = "" if engine is not None else "waiting for a data plane to attach"
+        self.facts = EngineFacts.of(engine) if engine is not None else None  # kept while the plane is down
         self._listeners: list[Callable[[bool], None]] = []
-        self._streams: dict[str, Stream] = {}  # event-loop thread only: ids in use
         self._seq_of: dict[Stream, EngineSequence] = {}  # engine thread only
         self._stream_of: dict[int, Stream] = {}  # engine thread only: seq_id -> stream
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._deliver, self._on_status = deliver, on_status
         self._status = self._snapshot()
 
-    # ---- event-loop side -------------------------------------------------------------------------
-
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the streams (with
-        `deliver` given, from any thread)."""
-        if self._deliver is None:
-            self._loop = asyncio.get_running_loop()
+        """Start the engine thread."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
 
     @property
     def data_plane_ready(self) -> bool:
         return self._ready
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Output]:
-        """Run one request; yields its outputs until the one with finished=True.
-
-        Closing the iterator early (break, cancellation, an error) aborts the request and frees its
-        blocks; use `contextlib.aclosing` so that this happens at once rather than at garbage
-        collection. Raises ValueError, RequestIdInUse or DataPlaneUnavailable.
-        """
-        if self._thread is None:
-            raise RuntimeError("AsyncEngine.start() was not called")
-        if not self._ready:
-            raise DataPlaneUnavailable(self.unavailable_message())
-        request_id = request_id or uuid.uuid4().hex
-        await wait_for_free_id(self._streams, request_id)
-        if not self._ready:  # it may have gone down while we waited
-            raise DataPlaneUnavailable(self.unavailable_message())
-        token_ids = list(token_ids)
-        self.engine.validate(token_ids, params)  # safe off the engine thread: it reads fixed sizes only
-        stream = Stream(request_id, token_ids, params)
-        self._streams[request_id] = stream
-        self._post(("add", stream))
-        finished = False
-        try:
-            async for item in read_stream(stream):
-                finished = item.finished
-                yield item
-        finally:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
-            if not finished:
-                self._post(("abort", stream, False))
-
-    def abort(self, request_id: str) -> bool:
-        """End a running request from the server side; its stream gets a final ABORT output."""
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return False
-        self._post(("abort", stream, True))
-        return True
-
     def status(self) -> EngineStatus:
         """Counters as of the engine thread's latest iteration."""
         return self._status
-
-    # ---- streams whose consumer lives in another process (engine_child.py) ----------------------
 
     def add_stream(self, stream: Stream) -> None:
         """Queue a request already checked by its consumer; its outputs go to `deliver`."""
         self._post(("add", stream))
 
     def abort_stream(self, stream: Stream, notify: bool) -> None:
+        """Drop the stream's request; `notify`: deliver it a final ABORT output."""
         self._post(("abort", stream, notify))
+
+    def fail_stream(self, stream: Stream, error: Exception) -> None:
+        """End a stream that never became a request (its consumer's request was refused) with `error`."""
+        self._post(("fail", stream, error))
 
     # ---- any thread ------------------------------------------------------------------------------
 
@@ -301,6 +262,8 @@ class AsyncEngine:
             self.engine.abort(seq.seq_id)
             if notify:
                 deliveries.append((stream, _output(stream, seq, [])))
+        elif kind == "fail":
+            deliveries.append((command[1], command[2]))
         elif kind == "ready":
             _, ready, reason, hook = command
             if hook is not None:
@@ -331,9 +294,10 @@ class AsyncEngine:
 
     def _set_ready(self) -> None:
         engine = self.engine
-        log.info("the data plane is ready again: %d rank(s) on %s, %d step(s) in flight", len(engine.infos),
-                 engine.infos[0].device, engine.steps_in_flight)
-        self._ready, self._unready_reason = True, ""
+        log.info("the data plane is ready%s: %d rank(s) on %s, %d step(s) in flight",
+                 " again" if self._attached else "", len(engine.infos), engine.infos[0].device, engine.steps_in_flight)
+        self.facts = EngineFacts.of(engine)
+        self._ready, self._unready_reason, self._attached = True, "", True
         self._notify(True)
 
     def _notify(self, ready: bool) -> None:
@@ -350,19 +314,9 @@ class AsyncEngine:
         return EngineStatus(running, waiting, total, used, self._ready)
 
     def _hand_over(self, deliveries: list) -> None:
-        """Pass `deliveries` to the event loop and empty the list (the same list object goes on)."""
+        """Pass `deliveries` on and empty the list (the same list object goes on)."""
         if not deliveries:
             return
         batch = deliveries[:]
         deliveries.clear()
-        if self._deliver is not None:
-            self._deliver(batch)
-            return
-        # RuntimeError: the event loop is closed, so nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._dispatch, batch)
-
-    @staticmethod
-    def _dispatch(deliveries: list[tuple[Stream, Output | BaseException]]) -> None:
-        for stream, item in deliveries:
-            stream.queue.put_nowait(item)
+        self._deliver(batch)

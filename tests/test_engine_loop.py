@@ -3,7 +3,7 @@
 The engine thread waking the event loop competes with it for the GIL; done between a step's result
 and the next descriptor, that wait leaves the GPU idle (BENCHMARKS.md, the control plane's
 turnaround). So `Engine.step` offers an `on_queued` hook between its send and its wait, and the
-AsyncEngine hands a step's tokens over there, one call later."""
+engine loop hands a step's tokens over there, one call later."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import threading
 import numpy as np
 import pytest
 
-from controlplane.async_engine import AsyncEngine
 from controlplane.config import EngineConfig
 from controlplane.engine import Engine
+from controlplane.engine_loop import EngineLoop
+from controlplane.front_inproc import InProcessFront
 from controlplane.sampling_params import SamplingParams
 from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
@@ -96,15 +97,15 @@ def test_a_steps_tokens_reach_the_stream_after_the_next_step_is_sent(engine_and_
             return self.loop.call_soon_threadsafe(fn, deliveries)
 
     async def main() -> list[int]:
-        async_engine = AsyncEngine(engine)
-        async_engine.start()
-        async_engine._loop = Loop(async_engine._loop)
+        front = InProcessFront(engine)
+        front.start()
+        front._event_loop = Loop(front._event_loop)
         tokens = []
         try:
-            async for out in async_engine.generate([7] * 20, SamplingParams(max_tokens=12, ignore_eos=True)):
+            async for out in front.generate([7] * 20, SamplingParams(max_tokens=12, ignore_eos=True)):
                 tokens += out.token_ids
         finally:
-            async_engine.shutdown()
+            front.shutdown()
         return tokens
 
     tokens = asyncio.run(main())
@@ -115,3 +116,21 @@ def test_a_steps_tokens_reach_the_stream_after_the_next_step_is_sent(engine_and_
     # t + 1 had been sent too (steps 0..t + 1: t + 2 of them), where there is such a step.
     for token, submitted in handed:
         assert submitted >= min(token + 2, steps), (token, submitted)
+
+
+def test_ready_again_is_logged_on_a_reattach_only(engine_and_plane, caplog):
+    engine, _ = engine_and_plane
+    attached = threading.Event()
+    loop = EngineLoop(None, lambda batch: None, recover=lambda old: engine, recover_interval_s=0.01)
+    loop.add_ready_listener(lambda ready: attached.set() if ready else None)
+    caplog.set_level("INFO", logger="controlplane.engine_loop")
+    loop.start()
+    try:
+        assert attached.wait(10)
+        attached.clear()
+        loop.set_data_plane_ready(False, "a rank missed its heartbeats")
+        assert attached.wait(10)  # recovered by the same recover hook
+    finally:
+        loop.shutdown()
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the data plane is ready")]
+    assert [m.split(":")[0] for m in ready] == ["the data plane is ready", "the data plane is ready again"]

@@ -1,0 +1,158 @@
+"""The engine front: what the gRPC server drives, whichever process the engine loop runs in.
+
+`EngineFront` is the one interface; two implementations: `front_inproc.InProcessFront` (the loop on a
+thread of the serving process) and `front_process.ProcessFront` (the loop in an engine process of its
+own, the default). Also here, the values a front hands out: a request's `Output`s, read from its
+`Stream`; the engine's counters (`EngineStatus`) and sizes (`EngineFacts`); and the wait for a request
+id that a cancelled call still holds (`wait_for_free_id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from controlplane.engine import Engine, validate_request
+from controlplane.errors import RequestIdInUse
+from controlplane.sampling_params import SamplingParams
+from controlplane.sequence import FinishReason
+
+# A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
+# after its per-try timeout, a client reconnecting) can get here before the cancelled call's handler
+# has run its cleanup: wait this long for the id to come free before answering ALREADY_EXISTS.
+REQUEST_ID_GRACE_S = 0.25
+
+
+async def wait_for_free_id(streams: dict, request_id: str) -> None:
+    """Return once no running request uses request_id; RequestIdInUse after REQUEST_ID_GRACE_S."""
+    deadline = time.monotonic() + REQUEST_ID_GRACE_S
+    while request_id in streams:
+        if time.monotonic() >= deadline:
+            raise RequestIdInUse(f"request_id {request_id!r} is already in use by a running request")
+        await asyncio.sleep(0.01)
+
+
+@dataclass(slots=True)
+class Output:
+    """What a request gained: new token ids since the last output, and its counters after them."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+
+    def merge(self, later: Output) -> None:
+        """Fold a later output into this one (a consumer that fell behind sends one message)."""
+        self.token_ids.extend(later.token_ids)
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.num_completion_tokens = later.num_completion_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatus:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by live requests; cached-but-free prefix blocks do not count
+    data_plane_ready: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """The attached engine's sizes: enough to check a request before it is queued and to answer
+    GetModelInfo. Fixed for an engine's life, so any thread may read them."""
+
+    architecture: str
+    tensor_parallel_size: int
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    kv_capacity_tokens: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineFacts:
+        info = engine.infos[0]
+        return cls(info.architecture, info.world_size, engine.max_model_len, engine.vocab_size, engine.block_size,
+                   engine.kv_capacity_tokens)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a message a person understands if the request cannot run."""
+        validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
+
+
+@dataclass(eq=False, slots=True)
+class Stream:
+    """One request as both sides of a front know it; eq=False hashes by identity, so a reused id is a
+    new key. In the engine process `request_id` holds the serving process's integer key instead."""
+
+    request_id: str | int
+    token_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue | None = field(default_factory=asyncio.Queue)  # Outputs, or an exception to raise
+
+
+async def read_stream(stream: Stream) -> AsyncIterator[Output]:
+    """A stream's outputs up to the finished one; a consumer that fell behind gets what queued up
+    meanwhile as one output. An exception in the queue is raised after the outputs before it."""
+    pending: Output | BaseException | None = None
+    while True:
+        item = pending if pending is not None else await stream.queue.get()
+        pending = None
+        if isinstance(item, BaseException):
+            raise item
+        while not stream.queue.empty():
+            later = stream.queue.get_nowait()
+            if isinstance(later, BaseException):
+                pending = later  # send what arrived before the error first
+                break
+            item.merge(later)
+        yield item
+        if item.finished:
+            return
+
+
+class EngineFront(Protocol):
+    """What the gRPC server drives. Call `start` and `generate` from the event loop that serves the
+    streams; the readiness methods from any thread."""
+
+    @property
+    def facts(self) -> EngineFacts | None:
+        """The attached engine's sizes; the last known ones while the data plane is down; None before
+        any data plane has attached."""
+
+    @property
+    def data_plane_ready(self) -> bool:
+        """Whether requests can run now."""
+
+    def start(self) -> None:
+        """Start the engine loop (a thread, or a process); call from the serving event loop."""
+
+    def generate(self, token_ids: Sequence[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[Output]:
+        """Run one request; yields its outputs until the one with finished=True. Closing the iterator
+        early aborts the request and frees its blocks (use `contextlib.aclosing`). Raises ValueError,
+        RequestIdInUse or DataPlaneUnavailable."""
+
+    def abort(self, request_id: str) -> bool:
+        """End a running request from the server side (its stream gets a final ABORT output); False
+        if no request runs under that id. Event-loop thread only."""
+
+    def status(self) -> EngineStatus:
+        """The engine's counters as of its latest iteration."""
+
+    def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
+        """callback(ready) runs on a thread of the front's whenever the data plane's readiness changes."""
+
+    def set_data_plane_ready(self, ready: bool, reason: str = "") -> None:
+        """Readiness pushed from outside (a transport that lost or regained the plane); thread-safe."""
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (open streams end with DataPlaneUnavailable "the server is shutting down");
+        blocks, so call it off the event loop."""

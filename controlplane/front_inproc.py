@@ -1,0 +1,102 @@
+"""The in-process engine front: the engine loop on a thread of the serving process.
+
+The event loop hands requests to the loop's inbox and gets results back as one
+`call_soon_threadsafe` per step that fills every affected request's asyncio queue: one wake-up of the
+event loop per step, not per request. Simpler than the engine process (front_process.py), but the
+engine thread and the event loop take turns on one GIL; `NANOPLANE_ENGINE_PROCESS=0` chooses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from controlplane.engine import Engine
+from controlplane.engine_loop import Delivery, EngineLoop
+from controlplane.errors import DataPlaneUnavailable
+from controlplane.front import EngineFacts, EngineStatus, Output, Stream, read_stream, wait_for_free_id
+from controlplane.sampling_params import SamplingParams
+
+
+class InProcessFront:
+    """EngineFront over an EngineLoop thread in this process."""
+
+    def __init__(self, engine: Engine | None, recover: Callable[[Engine | None], Engine | None] | None = None,
+                 recover_interval_s: float = 1.0):
+        """`engine`, `recover`, `recover_interval_s`: see EngineLoop."""
+        self.loop = EngineLoop(engine, self._hand_over, recover, recover_interval_s)
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, Stream] = {}  # event-loop thread only: ids in use
+
+    @property
+    def facts(self) -> EngineFacts | None:
+        return self.loop.facts
+
+    @property
+    def data_plane_ready(self) -> bool:
+        return self.loop.data_plane_ready
+
+    def start(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        self.loop.start()
+
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Output]:
+        if not self.loop.started:
+            raise RuntimeError("InProcessFront.start() was not called")
+        if not self.loop.data_plane_ready:
+            raise DataPlaneUnavailable(self.loop.unavailable_message())
+        request_id = request_id or uuid.uuid4().hex
+        await wait_for_free_id(self._streams, request_id)
+        facts = self.loop.facts
+        if not self.loop.data_plane_ready or facts is None:  # it may have gone down while we waited
+            raise DataPlaneUnavailable(self.loop.unavailable_message())
+        token_ids = list(token_ids)
+        facts.validate(token_ids, params)
+        stream = Stream(request_id, token_ids, params)
+        self._streams[request_id] = stream
+        self.loop.add_stream(stream)
+        finished = False
+        try:
+            async for item in read_stream(stream):
+                finished = item.finished
+                yield item
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished:
+                self.loop.abort_stream(stream, False)
+
+    def abort(self, request_id: str) -> bool:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        self.loop.abort_stream(stream, True)
+        return True
+
+    def status(self) -> EngineStatus:
+        return self.loop.status()
+
+    def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
+        self.loop.add_ready_listener(callback)
+
+    def set_data_plane_ready(self, ready: bool, reason: str = "",
+                             on_engine_thread: Callable[[Engine], None] | None = None) -> None:
+        """See EngineLoop.set_data_plane_ready."""
+        self.loop.set_data_plane_ready(ready, reason, on_engine_thread)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.loop.shutdown(timeout)
+
+    def _hand_over(self, batch: list[Delivery]) -> None:
+        """On the engine thread: one wake-up of the event loop for the whole batch."""
+        # RuntimeError: the event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._event_loop.call_soon_threadsafe(_fill_queues, batch)
+
+
+def _fill_queues(batch: list[Delivery]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)

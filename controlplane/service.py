@@ -1,0 +1,138 @@
+"""The service assembled: tokenizer, engine front and gRPC server (`build_server`, `build_process_server`),
+run alone (`nanoplane controlplane`) or with a supervised data plane on the same host (`nanoplane serve`).
+
+The control plane binds the ZeroMQ endpoint (it is the stable side; data planes come and go), builds
+the engine once the data plane has reported ready, and serves gRPC until SIGINT/SIGTERM. When the
+data plane fails, open streams end with UNAVAILABLE, health goes NOT_SERVING, and the engine
+re-attaches to the next data plane that connects (`serve` restarts its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from controlplane import runtime_dir
+from controlplane.config import EngineConfig
+from controlplane.dataplane_client import RemoteDataPlane
+from controlplane.engine import DataPlaneClient, Engine
+from controlplane.front_inproc import InProcessFront
+from controlplane.front_process import ProcessFront, engine_process_enabled
+from controlplane.grpc_server import GenerationServer
+from controlplane.supervisor import DataPlaneSupervisor
+from controlplane.tokenizer import Tokenizer
+from nanoplane.process import configure_logging, freeze_startup_objects
+from nanoplane.settings import dataplane_argv, read_tuning
+
+log = logging.getLogger("nanoplane.serve")
+def set_gil_switch_interval() -> None:
+    """A short GIL switch interval (NANOPLANE_GIL_SWITCH_MS): with Python's 5 ms, a step result that arrives
+    while the event loop streams tokens waits that long for the engine thread, and the GPU idles meanwhile."""
+    sys.setswitchinterval(read_tuning().gil_switch_ms / 1000)
+
+
+def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str = "127.0.0.1:0",
+                 model_name: str | None = None, recover: Callable[[Engine | None], Engine | None] | None = None,
+                 recover_interval_s: float = 1.0, attach_now: bool = True,
+                 attach_timeout_s: float = 2.0) -> GenerationServer:
+    """Tokenizer + in-process engine front + server, not yet started.
+
+    attach_now: build the Engine here, which waits for the data plane (slow); otherwise the server
+    starts at once, answers NOT_SERVING, and the engine thread attaches the data plane when it comes.
+    recover: see EngineLoop; by default a new Engine over the same data-plane client, each attempt
+    waiting at most attach_timeout_s for ranks to report ready.
+    """
+    tokenizer = Tokenizer(config.model)
+
+    def attach(old: Engine | None) -> Engine:
+        return Engine(config, data_plane, tokenizer.eos_token_ids, start_timeout=attach_timeout_s)
+
+    engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
+    return GenerationServer(InProcessFront(engine, recover or attach, recover_interval_s), tokenizer,
+                            model_name or Path(config.model).name, address)
+
+
+def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
+                         model_name: str | None = None, recover_interval_s: float = 1.0,
+                         attach_timeout_s: float = 2.0) -> GenerationServer:
+    """build_server with the engine in its own process: the data plane attaches to the engine process
+    at `data_plane_address` (which that process binds)."""
+    tokenizer = Tokenizer(config.model)
+    front = ProcessFront(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s)
+    return GenerationServer(front, tokenizer, model_name or Path(config.model).name, address)
+
+
+async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
+                 ready: threading.Event | None = None,
+                 on_data_plane_ready: Callable[[bool], None] | None = None) -> None:
+    """`data_plane`: the socket ranks attach to (NANOPLANE_ENGINE_PROCESS=0), or the address that the
+    engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes."""
+    set_gil_switch_interval()
+    # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
+    # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
+    if isinstance(data_plane, str):
+        server, plane_address = build_process_server(config, data_plane, address), data_plane
+    else:
+        server, plane_address = build_server(config, data_plane, address, attach_now=False), data_plane.address
+    if on_data_plane_ready is not None:
+        server.front.add_ready_listener(on_data_plane_ready)
+    port = await server.start()
+    log.info("gRPC API on %s (port %d), data plane at %s%s", address, port, plane_address,
+             " (engine process)" if isinstance(data_plane, str) else "")
+    print(f"nanoplane: serving {Path(config.model).name} on {address.rsplit(':', 1)[0]}:{port}", flush=True)
+    freeze_startup_objects()
+    if ready is not None:
+        ready.set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not in the main thread
+            loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(server.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down")
+    await server.stop(grace=5.0)
+    waiter.cancel()
+    stopper.cancel()
+
+
+def run_controlplane(config: EngineConfig, bind: str, address: str) -> int:
+    configure_logging("controlplane")
+    if engine_process_enabled():
+        log.info("waiting for a data plane to connect to %s (engine process)", bind)
+        asyncio.run(_serve(config, bind, address))
+        return 0
+    data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
+    log.info("waiting for a data plane to connect to %s", data_plane.address)
+    try:
+        asyncio.run(_serve(config, data_plane, address))
+    finally:
+        data_plane.close()
+    return 0
+
+
+def run_serve(config: EngineConfig, address: str, bind: str | None = None) -> int:
+    """Both planes on this host: the control plane here, the data plane in a supervised child."""
+    configure_logging("serve")
+    tmp = runtime_dir.make()
+    bind = bind or f"ipc://{tmp}/plane.sock"
+    # With the engine in its own process, that process binds the data plane's socket.
+    data_plane = None if engine_process_enabled() else RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
+    supervisor = DataPlaneSupervisor(dataplane_argv(config, data_plane.address if data_plane else bind))
+    supervisor.start()
+    try:
+        asyncio.run(_serve(config, data_plane or bind, address, on_data_plane_ready=supervisor.on_ready))
+    finally:
+        supervisor.stop()
+        if data_plane is not None:
+            data_plane.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0

@@ -1,0 +1,208 @@
+"""The link between the serving process and the engine process: typed, versioned messages.
+
+Two one-way ZeroMQ sockets (controlplane/front_process.py and controlplane/engine_process.py):
+commands go from the serving process to the engine process, events come back. Each message is
+one frame: `b"NE"`, the link version (one byte), then the message as MessagePack (msgspec), a
+struct tagged with its name. A peer of another version, a foreign sender or a malformed body
+decodes to `LinkError`, never to anything else, so neither process can be crashed or misled by
+what arrives on its socket. Errors that cross the link travel as `Failure` (a kind and a
+message), not as exceptions: the receiving side raises its own class for the kind.
+
+This module imports msgspec only: it is the schema another implementation of either side follows.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+MAGIC = b"NE"
+VERSION = 1
+_HEADER = MAGIC + bytes([VERSION])
+
+
+class LinkError(ValueError):
+    """Bytes that are not a well-formed engine-link message of this version."""
+
+
+class Sampling(msgspec.Struct, frozen=True, array_like=True):
+    """A request's sampling parameters (controlplane.sampling_params.SamplingParams, field for field)."""
+
+    temperature: float  # 0 is greedy
+    top_p: float  # nucleus mass in (0, 1]; 1 disables
+    top_k: int  # 0 (or -1) disables
+    min_p: float  # in [0, 1]; 0 disables
+    max_tokens: int  # output tokens at most
+    seed: int | None  # None: the data plane's shared random stream
+    ignore_eos: bool  # keep going past the end-of-sequence token
+    stop_token_ids: list[int]  # extra ids that end the output
+
+
+# ---- commands: serving process -> engine process ---------------------------------------------------
+
+class Add(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Queue a request the serving process has already checked against the engine's facts."""
+
+    key: int  # the serving process's number for the request: every output and failure names it
+    token_ids: list[int]  # the prompt
+    sampling: Sampling  # how to sample it
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Drop a request and free its blocks; unknown keys are ignored."""
+
+    key: int  # Add.key of the request
+    notify: bool  # send the request a final ABORT output (a server-side abort); False: its consumer left
+
+
+class SetReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Readiness of the data plane as seen from outside the engine process (a transport's push)."""
+
+    ready: bool  # up or down
+    reason: str  # why it went down; empty when up
+
+
+class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Stop in order: open streams end with UNAVAILABLE, the data plane is told to exit 0."""
+
+
+Command = Add | Abort | SetReady | Stop
+
+
+# ---- events: engine process -> serving process -----------------------------------------------------
+
+class Delta(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """What one request gained in a step (controlplane.front.Output without the request id)."""
+
+    key: int  # Add.key of the request
+    token_ids: list[int]  # new token ids since its previous Delta
+    finished: bool  # this is the request's last Delta
+    finish_reason: Literal["stop", "length", "abort"] | None  # once finished: sequence.FinishReason's value
+    num_prompt_tokens: int  # tokens in the prompt
+    num_completion_tokens: int  # output tokens so far
+    num_cached_tokens: int  # prompt tokens reused from the prefix cache
+
+
+# Failure kinds, each raised as its own class on the serving side.
+UNAVAILABLE = "unavailable"  # controlplane.errors.DataPlaneUnavailable
+INVALID = "invalid"  # ValueError: the request cannot run on this engine
+ID_IN_USE = "id_in_use"  # controlplane.errors.RequestIdInUse
+INTERNAL = "internal"  # anything else: a bug on the engine side
+FAILURE_KINDS = (UNAVAILABLE, INVALID, ID_IN_USE, INTERNAL)
+
+
+class Failure(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A request that ended with an error instead of a finished Delta."""
+
+    key: int  # Add.key of the request
+    kind: Literal["unavailable", "invalid", "id_in_use", "internal"]  # one of FAILURE_KINDS
+    message: str  # for the client, as the gRPC status details
+
+
+class Outputs(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Everything one engine-loop iteration has for the streams, in order."""
+
+    items: list[Delta | Failure]  # per request, in the order the engine produced them
+
+
+class Beat(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The engine process is alive; sent by its main thread every second whatever the engine does."""
+
+
+class Status(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The engine's counters (controlplane.front.EngineStatus), sent when they change."""
+
+    running: int  # requests being computed
+    waiting: int  # requests queued for blocks or a slot
+    kv_blocks_total: int  # KV cache blocks in all
+    kv_blocks_used: int  # blocks held by live requests; cached-but-free prefix blocks do not count
+    data_plane_ready: bool  # whether requests can run
+
+
+class Facts(msgspec.Struct, frozen=True, array_like=True):
+    """The attached engine's sizes (controlplane.front.EngineFacts): enough to check a request before
+    sending it and to answer GetModelInfo."""
+
+    architecture: str  # config.json architectures[0], as the data plane reported it
+    tensor_parallel_size: int  # ranks of the data plane
+    max_model_len: int  # longest prompt plus output
+    vocab_size: int  # token ids are below it
+    block_size: int  # tokens per KV block
+    kv_capacity_tokens: int  # tokens the KV cache holds in all
+
+
+class Readiness(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The data plane came up (with the engine's facts) or went down (with the reason)."""
+
+    ready: bool  # up or down
+    facts: Facts | None  # the engine's sizes when up; None when down
+    reason: str  # why it is down, bare (the serving side words it for clients); empty when up
+
+
+Event = Outputs | Beat | Status | Readiness
+
+# ---- the engine process's start: its command line -------------------------------------------------
+
+class Launch(msgspec.Struct, frozen=True):
+    """What the engine process is started with, as JSON in its command line (encode_launch)."""
+
+    version: int  # VERSION of the starting side: a mismatch is refused before anything else happens
+    config: dict[str, str | int | float | bool | None]  # controlplane.config.EngineConfig's fields but hf_config
+    data_plane_address: str  # the ZeroMQ endpoint the engine process binds for the data plane's ranks
+    commands_address: str  # the serving process's commands socket, which the engine process connects
+    events_address: str  # the serving process's events socket, which the engine process connects
+    eos_token_ids: list[int]  # the tokenizer's end-of-sequence ids
+    recover_interval_s: float  # how often to try attaching a data plane while none is ready
+    attach_timeout_s: float  # how long each attempt waits for the ranks' handshakes
+
+
+def encode_launch(launch: Launch) -> str:
+    return msgspec.json.encode(launch).decode()
+
+
+def decode_launch(text: str) -> Launch:
+    """A Launch, or LinkError (also for a Launch of another version)."""
+    try:
+        launch = msgspec.json.decode(text, type=Launch)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise LinkError(f"malformed engine-process launch: {exc}") from None
+    if launch.version != VERSION:
+        raise LinkError(f"the serving process speaks engine-link version {launch.version}, this engine process "
+                        f"speaks {VERSION}: run the same nanoplane release in both processes")
+    return launch
+
+
+_encoder = msgspec.msgpack.Encoder()
+_commands = msgspec.msgpack.Decoder(Command)
+_events = msgspec.msgpack.Decoder(Event)
+
+
+def encode(message: Command | Event) -> bytes:
+    """One frame: the link header, then the message."""
+    return _HEADER + _encoder.encode(message)
+
+
+def _decode(frame: bytes | memoryview, decoder: msgspec.msgpack.Decoder, what: str):
+    data = memoryview(frame)
+    if data.nbytes < len(_HEADER):
+        raise LinkError(f"engine-link {what} of {data.nbytes} bytes is too short for its header")
+    if bytes(data[:2]) != MAGIC:
+        raise LinkError(f"not an engine-link message (starts with {bytes(data[:4])!r})")
+    if data[2] != VERSION:
+        raise LinkError(f"the peer speaks engine-link version {data[2]}, this side speaks {VERSION}: "
+                        "run the same nanoplane release in both processes")
+    try:
+        return decoder.decode(data[len(_HEADER):])
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise LinkError(f"malformed engine-link {what}: {exc}") from None
+
+
+def decode_command(frame: bytes | memoryview) -> Command:
+    """A command, or LinkError (never anything else)."""
+    return _decode(frame, _commands, "command")
+
+
+def decode_event(frame: bytes | memoryview) -> Event:
+    """An event, or LinkError (never anything else)."""
+    return _decode(frame, _events, "event")
