@@ -22,9 +22,10 @@ from controlplane.config import EngineConfig
 from controlplane.engine import Engine
 from controlplane.front_inproc import InProcessFront
 from controlplane.service import build_process_server, build_server
-from controlplane.supervisor import DataPlaneSupervisor, dataplane_argv
+from controlplane.supervisor import DataPlaneSupervisor
 from dataplane.config import DataPlaneConfig
 from dataplane.local import LocalDataPlane
+from nanoplane.settings import dataplane_argv
 from proto.nanoplane.v1 import generation_pb2 as pb
 
 PROMPTS = ["héllo wörld ☃ 東京 🙂", "the quick brown fox", "paged attention keeps"]
