@@ -55,8 +55,8 @@ def timed(fn, reps: int = 20, graph: bool = True) -> float:
 
 
 def worker(rank: int, port: int) -> None:
-    from dataplane.allreduce import SymmMemAllReduce, TritonOneShotAllReduce
-    from kernels import rms_norm
+    from nanoplane.dataplane.allreduce import SymmMemAllReduce, TritonOneShotAllReduce
+    from nanoplane.kernels import rms_norm
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.throughput import QWEN3_06B, drive_streams, one_stream, warmup_workload, workload
-from proto.plane import PlaneInfo, StepDescriptor, StepResult
+from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 
 class InstantDataPlane:
@@ -97,7 +97,7 @@ class TimedRunner:
                          "TimedRunner", "cuda:emulated", "bfloat16")
 
     def launch(self, desc: StepDescriptor):
-        from dataplane.model_runner import Launched
+        from nanoplane.dataplane.model_runner import Launched
 
         self.busy_until = max(time.perf_counter(), self.busy_until) + self.step_s
         ids = self.rng.integers(1, self.vocab_size, len(desc.slots), dtype=np.int32)
@@ -114,11 +114,11 @@ class TimedRunner:
 
 def timed_rank(control: str, step_s: float) -> None:
     """A rank process (`nanoplane dataplane`'s worker) around a TimedRunner."""
-    import dataplane.model_runner
-    from dataplane.config import DataPlaneConfig
-    from dataplane.worker import WorkerOptions, run_rank
+    from nanoplane.dataplane import model_runner
+    from nanoplane.dataplane.config import DataPlaneConfig
+    from nanoplane.dataplane.worker import WorkerOptions, run_rank
 
-    dataplane.model_runner.ModelRunner = lambda cfg: TimedRunner(cfg, step_s)
+    model_runner.ModelRunner = lambda cfg: TimedRunner(cfg, step_s)
     run_rank(DataPlaneConfig(model=""), WorkerOptions(control=control, launch_id=1))
 
 
@@ -156,10 +156,10 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
           engine_process: bool = False) -> None:
     """The control plane as `nanoplane serve` runs it (its GIL switch interval too), in this process;
     over ZeroMQ to a rank at `remote` (an ipc:// address) if given, else over an in-process stand-in."""
-    from controlplane.config import EngineConfig
-    from controlplane.dataplane_client import RemoteDataPlane
-    from controlplane.engine_loop import EngineLoop as AsyncEngine
-    from controlplane.service import build_server, set_gil_switch_interval
+    from nanoplane.controlplane.config import EngineConfig
+    from nanoplane.controlplane.dataplane_client import RemoteDataPlane
+    from nanoplane.controlplane.engine_loop import EngineLoop as AsyncEngine
+    from nanoplane.controlplane.service import build_server, set_gil_switch_interval
 
     set_gil_switch_interval()
     engine_profile, loop_profile = cProfile.Profile(), cProfile.Profile()
@@ -170,7 +170,7 @@ def serve(model_dir: str, step_s: float, profile: bool, port_queue, stop_event, 
     async def main() -> None:
         config = EngineConfig(model_dir, max_model_len=4096, kvcache_block_size=256)
         if engine_process:
-            from controlplane.service import build_process_server
+            from nanoplane.controlplane.service import build_process_server
 
             server, spans = build_process_server(config, remote), []
         else:

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.client import Client
-from models.default_model import default_model_dir
+from nanoplane.clients.client import Client
 from nanoplane.demo import serve_in_background
+from nanoplane.models.default_model import default_model_dir
 from nanoplane.settings import read_tuning
 
 ROOT = Path(__file__).resolve().parent.parent

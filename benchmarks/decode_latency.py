@@ -24,7 +24,7 @@ BANDWIDTH = 4.24e12  # bytes/s, H200 device copy (read + write), docs/design.md
 
 def step_times(llm, batch: int, context: int, steps: int) -> list[float]:
     """Admit `batch` requests with `context`-token prompts, prefill them, then time decode steps."""
-    from controlplane import SamplingParams
+    from nanoplane.controlplane import SamplingParams
 
     rng = random.Random(batch)
     engine = llm.engine
@@ -58,7 +58,7 @@ def main() -> None:
     if not (path / "model.safetensors").is_file():
         make_random_model(path, args.shape)
 
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     llm = LLM(str(path), max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
     runner = llm.engine.data_plane.runner  # rank 0: its shard of the weights and of the KV heads

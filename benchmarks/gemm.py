@@ -15,8 +15,8 @@ import triton
 import triton.testing
 
 from benchmarks.timing import BANDWIDTH, MATMUL_FLOPS, report
-from kernels import reference as ref
-from kernels import skinny_gemm
+from nanoplane.kernels import reference as ref
+from nanoplane.kernels import skinny_gemm
 
 # (K, N) of the linear layers as one tensor-parallel rank holds them: Qwen3-0.6B at TP=1 (the
 # default), Qwen3-8B at TP=2 (`benchmarks/kernel_speed.py --gemm-shapes 8b-tp2`).
@@ -93,7 +93,7 @@ SKINNY_SWEEP = [(None, None, None, None, 4),
 
 
 def bench_skinny_sweep(dtype: torch.dtype) -> None:
-    from kernels.skinny_gemm import _config, _num_sms
+    from nanoplane.kernels.skinny_gemm import _config, _num_sms
 
     esize = torch.finfo(dtype).bits // 8
     for name, (k, n) in SKINNY_SHAPES.items():

@@ -25,7 +25,7 @@ import triton.testing
 from benchmarks import gemm
 from benchmarks.gemm import bench_mid_sweep, bench_skinny, bench_skinny_sweep
 from benchmarks.timing import BANDWIDTH, report
-from kernels import (
+from nanoplane.kernels import (
     apply_rotary,
     paged_decode_attention,
     paged_prefill_attention,
@@ -33,8 +33,8 @@ from kernels import (
     sample,
     store_kvcache,
 )
-from kernels import reference as ref
-from kernels.sampling import sampling_uniforms
+from nanoplane.kernels import reference as ref
+from nanoplane.kernels.sampling import sampling_uniforms
 
 HQ, HKV, D = 16, 8, 128  # Qwen3-0.6B attention shape
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -78,7 +78,7 @@ DECODE_SWEEP = [dict(block_n=bn, num_warps=w, num_stages=st, heads_fastest=hf)
 
 def bench_decode_sweep(dtype: torch.dtype) -> None:
     """The decode kernel's launch alternatives (kernels.decode_attention.TUNING), graph timings."""
-    from kernels.decode_attention import TUNING, _choose_num_splits
+    from nanoplane.kernels.decode_attention import TUNING, _choose_num_splits
 
     esize = torch.finfo(dtype).bits // 8
     for batch, ctx in ((256, 1024), (128, 1024), (64, 1024), (16, 1024)):
@@ -123,7 +123,7 @@ def workload_contexts(step: int) -> list[int]:
 def bench_decode_mixed(dtype: torch.dtype) -> None:
     """Decode attention over the bench's own mix of context lengths (not one length for all), with
     the rows handed to programs in request order or longest first, against their read floor."""
-    from kernels import decode_attention
+    from nanoplane.kernels import decode_attention
 
     decode_attention.ORDER_MIN_WAVES = 0  # follow the given order at every batch size
     esize = torch.finfo(dtype).bits // 8
@@ -176,7 +176,7 @@ def bench_prefill_sweep(dtype: torch.dtype) -> None:
     16k-token prompt, and a 2k-token chunk after a 14k-token prefix."""
     import random
 
-    from kernels.prefill_attention import LONG_MIN_QUERY, LONG_TUNING, TUNING
+    from nanoplane.kernels.prefill_attention import LONG_MIN_QUERY, LONG_TUNING, TUNING
 
     random.seed(0)
     prompts = [len([random.randint(0, 10000) for _ in range(random.randint(100, 1024))]) for _ in range(256)]
@@ -251,7 +251,7 @@ def bench_store(dtype: torch.dtype) -> None:
 
 
 def bench_sample(dtype: torch.dtype) -> None:
-    from dataplane.sampler import Sampler
+    from nanoplane.dataplane.sampler import Sampler
 
     esize = torch.finfo(dtype).bits // 8
     vocab = 151936  # Qwen3

@@ -21,10 +21,10 @@ import time
 import numpy as np
 import zmq
 
-from controlplane.dataplane_client import RemoteDataPlane
+from nanoplane.controlplane.dataplane_client import RemoteDataPlane
 from nanoplane.process import terminate
-from proto import codec
-from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
+from nanoplane.proto import codec
+from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
 def decode_step(rows: int, step_id: int = 0) -> StepDescriptor:

@@ -24,7 +24,7 @@ def prompts() -> list[list[int]]:
 
 
 def embedded(model: str, tp: int, max_tokens: int) -> list[list[int]]:
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     llm = LLM(model, tensor_parallel_size=tp, max_model_len=2048, gpu_memory_utilization=0.5, max_num_seqs=64)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -37,7 +37,7 @@ def embedded(model: str, tp: int, max_tokens: int) -> list[list[int]]:
 
 
 def served(model: str, tp: int, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    from clients.client import Client
+    from nanoplane.clients.client import Client
     from nanoplane.demo import serve_in_background
 
     with serve_in_background(["--model", model, "--tensor-parallel-size", str(tp), *FLAGS], 300,

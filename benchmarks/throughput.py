@@ -115,7 +115,7 @@ def main() -> None:
     if args.mode == "service":
         return run_service(path, args)
 
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     llm = LLM(str(path), enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
@@ -151,7 +151,7 @@ def main() -> None:
     tok_s = total / elapsed
     mode = f"embedded {args.shape} TP={args.tensor_parallel_size}"
     if args.tensor_parallel_size > 1:  # the all-reduce rank 0 installed, which may be NCCL after a fallback
-        from models.layers import parallel
+        from nanoplane.models.layers import parallel
 
         mode += f" {getattr(parallel._fast_all_reduce, 'name', 'nccl')}"
     print(f"| {mode} | {total} | {elapsed:.2f} | {tok_s:,.0f} | "
@@ -165,7 +165,7 @@ async def drive_streams(address: str, prompts: list[list[int]], max_tokens: list
     (output tokens, messages received, seconds)."""
     from tqdm.auto import tqdm
 
-    from clients.client import AsyncClient
+    from nanoplane.clients.client import AsyncClient
 
     client = AsyncClient(address)
     bar = tqdm(total=len(prompts), desc=desc, dynamic_ncols=True)
@@ -191,7 +191,7 @@ async def drive_streams(address: str, prompts: list[list[int]], max_tokens: list
 async def one_stream(address: str, prompt_len: int = 512, max_tokens: int = 129) -> tuple[float, float]:
     """One greedy stream alone, as a client sees it: (time to first token, median inter-token time),
     in seconds. A message that carries k tokens counts as k gaps of a k-th of its wait."""
-    from clients.client import AsyncClient
+    from nanoplane.clients.client import AsyncClient
 
     rng = random.Random(0)
     prompt = [rng.randrange(0, 10000) for _ in range(prompt_len)]
@@ -212,7 +212,7 @@ def role(proc, serve_pid: int) -> str:
     cmd = " ".join(proc.cmdline())
     if proc.pid == serve_pid:
         return "serve"
-    if "dataplane.launcher" in cmd:
+    if "nanoplane.dataplane.launcher" in cmd:
         return "launcher"
     if "resource_tracker" in cmd:
         return "resource tracker"
@@ -225,7 +225,7 @@ def run_service(path: Path, args: argparse.Namespace) -> None:
     """The same workload through `nanoplane serve`: one client process drives all 256 streams."""
     import psutil
 
-    from clients.client import Client
+    from nanoplane.clients.client import Client
     from nanoplane.demo import serve_in_background
 
     flags = ["--model", str(path), "--max-model-len", "4096", "--attention-backend", args.attention_backend,

@@ -1,5 +1,5 @@
 """Clients for nanoplane's public gRPC API; they import `proto` and grpc only."""
 
-from clients.client import AsyncClient, BatchProgress, Chunk, Client, Completion, Usage, build_request
+from nanoplane.clients.client import AsyncClient, BatchProgress, Chunk, Client, Completion, Usage, build_request
 
 __all__ = ["AsyncClient", "BatchProgress", "Chunk", "Client", "Completion", "Usage", "build_request"]

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.nanoplane.v1 import generation_pb2 as pb
-from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
+from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
+from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)

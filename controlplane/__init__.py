@@ -1,6 +1,6 @@
 """The control plane: requests, scheduling, the engine loop and the public API. Never imports torch."""
 
-from controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     # LLM wires in an in-process data plane (torch); import it only when asked for.
     if name == "LLM":
-        from controlplane.llm import LLM
+        from nanoplane.controlplane.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
-from controlplane.sequence import Sequence
+from nanoplane.controlplane.sequence import Sequence
 
 NO_HASH = -1
 

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT
 from nanoplane.settings import BY_NAME, engine_default
-from proto.plane import MAX_STEPS_IN_FLIGHT
 
 
 @dataclass(slots=True)

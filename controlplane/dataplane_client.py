@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from controlplane.errors import DataPlaneUnavailable  # one "data plane gone" error; the API maps it to UNAVAILABLE
+from nanoplane.controlplane.errors import (
+    DataPlaneUnavailable,  # one "data plane gone" error; the API maps it to UNAVAILABLE
+)
 from nanoplane.liveness import Liveness
 from nanoplane.process import terminate
+from nanoplane.proto import codec
+from nanoplane.proto.exit_codes import ExitCode
+from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
 from nanoplane.settings import read_tuning
-from proto import codec
-from proto.exit_codes import ExitCode
-from proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 log = logging.getLogger("nanoplane.dataplane_client")
 

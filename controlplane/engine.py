@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controlplane.config import EngineConfig
-from controlplane.sampling_params import SamplingParams
-from controlplane.scheduler import Scheduler, SchedulerOutput
-from controlplane.sequence import FinishReason, Sequence
-from proto.plane import MAX_STEPS_IN_FLIGHT, NewRequest, PlaneInfo, StepDescriptor, StepResult, int32_column
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.scheduler import Scheduler, SchedulerOutput
+from nanoplane.controlplane.sequence import FinishReason, Sequence
+from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT, NewRequest, PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
 class DataPlaneClient(Protocol):

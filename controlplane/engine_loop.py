@@ -23,10 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from controlplane.engine import Engine
-from controlplane.errors import DataPlaneUnavailable
-from controlplane.front import EngineFacts, EngineStatus, Output, Stream
-from controlplane.sequence import Sequence as EngineSequence
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.errors import DataPlaneUnavailable
+from nanoplane.controlplane.front import EngineFacts, EngineStatus, Output, Stream
+from nanoplane.controlplane.sequence import Sequence as EngineSequence
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ import time
 
 import zmq
 
-from controlplane.config import EngineConfig
-from controlplane.engine import Engine
-from controlplane.engine_loop import Delivery, EngineLoop
-from controlplane.errors import failure_kind
-from controlplane.front import EngineFacts, EngineStatus, Stream
-from controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.engine_loop import Delivery, EngineLoop
+from nanoplane.controlplane.errors import failure_kind
+from nanoplane.controlplane.front import EngineFacts, EngineStatus, Stream
+from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.process import configure_logging, freeze_startup_objects, terminate
-from proto import engine_link as link
-from proto.exit_codes import ExitCode
+from nanoplane.proto import engine_link as link
+from nanoplane.proto.exit_codes import ExitCode
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def status_event(status: EngineStatus) -> link.Status:
 
 def engine_main(launch: link.Launch) -> None:
     """The engine process's body: serve the commands until Stop or the serving process's exit."""
-    from controlplane.dataplane_client import RemoteDataPlane
+    from nanoplane.controlplane.dataplane_client import RemoteDataPlane
 
     configure_logging("engine")
     # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
@@ -162,7 +162,7 @@ def engine_main(launch: link.Launch) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m controlplane.engine_process LAUNCH_JSON (started by the serving process)",
+        print("usage: python -m nanoplane.controlplane.engine_process LAUNCH_JSON (started by the serving process)",
               file=sys.stderr)
         return 2
     try:

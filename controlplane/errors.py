@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from proto.engine_link import ID_IN_USE, INTERNAL, INVALID, UNAVAILABLE
+from nanoplane.proto.engine_link import ID_IN_USE, INTERNAL, INVALID, UNAVAILABLE
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from controlplane.engine import Engine, validate_request
-from controlplane.errors import RequestIdInUse
-from controlplane.sampling_params import SamplingParams
-from controlplane.sequence import FinishReason
+from nanoplane.controlplane.engine import Engine, validate_request
+from nanoplane.controlplane.errors import RequestIdInUse
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import FinishReason
 
 # A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
 # after its per-try timeout, a client reconnecting) can get here before the cancelled call's handler

@@ -13,11 +13,11 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from controlplane.engine import Engine
-from controlplane.engine_loop import Delivery, EngineLoop
-from controlplane.errors import DataPlaneUnavailable
-from controlplane.front import EngineFacts, EngineStatus, Output, Stream, read_stream, wait_for_free_id
-from controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.engine_loop import Delivery, EngineLoop
+from nanoplane.controlplane.errors import DataPlaneUnavailable
+from nanoplane.controlplane.front import EngineFacts, EngineStatus, Output, Stream, read_stream, wait_for_free_id
+from nanoplane.controlplane.sampling_params import SamplingParams
 
 
 class InProcessFront:

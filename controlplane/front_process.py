@@ -42,16 +42,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import zmq
 
-from controlplane import runtime_dir
-from controlplane.config import EngineConfig
-from controlplane.errors import DataPlaneUnavailable, failure_error
-from controlplane.front import EngineFacts, EngineStatus, Output, Stream, read_stream, wait_for_free_id
-from controlplane.sampling_params import SamplingParams
-from controlplane.sequence import FinishReason
+from nanoplane.controlplane import runtime_dir
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.errors import DataPlaneUnavailable, failure_error
+from nanoplane.controlplane.front import EngineFacts, EngineStatus, Output, Stream, read_stream, wait_for_free_id
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.liveness import Liveness
 from nanoplane.process import terminate
+from nanoplane.proto import engine_link as link
 from nanoplane.settings import read_tuning
-from proto import engine_link as link
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class ProcessFront:
 
     def _spawn(self) -> None:
         site = ["-S"] if sys.flags.no_site else []  # an image's interpreter runs without this host's site-packages
-        process = subprocess.Popen([sys.executable, *site, "-m", "controlplane.engine_process", self._launch])
+        process = subprocess.Popen([sys.executable, *site, "-m", "nanoplane.controlplane.engine_process", self._launch])
         self._liveness.heard()
         if self._exited is not None:
             os.close(self._exited)

@@ -19,14 +19,14 @@ import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane.detokenizer import TextStream
-from controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
-from controlplane.front import EngineFront, Output
-from controlplane.sampling_params import SamplingParams
-from controlplane.sequence import FinishReason
-from controlplane.tokenizer import Tokenizer
-from proto.nanoplane.v1 import generation_pb2 as pb
-from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
+from nanoplane.controlplane.detokenizer import TextStream
+from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
+from nanoplane.controlplane.front import EngineFront, Output
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import FinishReason
+from nanoplane.controlplane.tokenizer import Tokenizer
+from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
+from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from controlplane.config import EngineConfig
-from controlplane.engine import Engine
-from controlplane.sampling_params import SamplingParams
-from controlplane.tokenizer import Tokenizer
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.settings import ENGINE_OPTIONS, dataplane_fields
 
 
@@ -27,8 +27,8 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine options {unknown}; it takes {', '.join(ENGINE_OPTIONS)}")
         import torch
 
-        from dataplane.config import DataPlaneConfig
-        from dataplane.local import LocalDataPlane
+        from nanoplane.dataplane.config import DataPlaneConfig
+        from nanoplane.dataplane.local import LocalDataPlane
 
         if kwargs.get("device", "auto") == "auto":
             kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from proto.plane import SamplingSpec
+from nanoplane.proto.plane import SamplingSpec
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (see is_greedy)
 

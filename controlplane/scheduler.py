@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from controlplane.block_manager import BlockManager
-from controlplane.sequence import FinishReason, Sequence, SequenceStatus
+from nanoplane.controlplane.block_manager import BlockManager
+from nanoplane.controlplane.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from itertools import count
 
-from controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sampling_params import SamplingParams
 
 PENDING = -1  # a token the data plane has sampled but the control plane has not seen yet
 

@@ -19,15 +19,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from controlplane import runtime_dir
-from controlplane.config import EngineConfig
-from controlplane.dataplane_client import RemoteDataPlane
-from controlplane.engine import DataPlaneClient, Engine
-from controlplane.front_inproc import InProcessFront
-from controlplane.front_process import ProcessFront, engine_process_enabled
-from controlplane.grpc_server import GenerationServer
-from controlplane.supervisor import DataPlaneSupervisor
-from controlplane.tokenizer import Tokenizer
+from nanoplane.controlplane import runtime_dir
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.dataplane_client import RemoteDataPlane
+from nanoplane.controlplane.engine import DataPlaneClient, Engine
+from nanoplane.controlplane.front_inproc import InProcessFront
+from nanoplane.controlplane.front_process import ProcessFront, engine_process_enabled
+from nanoplane.controlplane.grpc_server import GenerationServer
+from nanoplane.controlplane.supervisor import DataPlaneSupervisor
+from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.process import configure_logging, freeze_startup_objects
 from nanoplane.settings import dataplane_argv, read_tuning
 

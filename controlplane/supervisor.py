@@ -9,7 +9,7 @@ import threading
 import time
 
 from nanoplane.process import stop_process
-from proto.exit_codes import ExitCode
+from nanoplane.proto.exit_codes import ExitCode
 
 log = logging.getLogger("nanoplane.serve")
 

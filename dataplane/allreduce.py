@@ -107,7 +107,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
     def meet(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        from kernels.one_shot_all_reduce import Peers, max_programs
+        from nanoplane.kernels.one_shot_all_reduce import Peers, max_programs
 
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         device, programs = self.buffer.device, max_programs(self.buffer.device)
@@ -126,7 +126,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
                            rank=handle.rank, world_size=handle.world_size)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        from kernels.one_shot_all_reduce import one_shot_all_reduce
+        from nanoplane.kernels.one_shot_all_reduce import one_shot_all_reduce
 
         if not self.takes(x):
             return None
@@ -136,7 +136,7 @@ class TritonOneShotAllReduce(SymmMemAllReduce):
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The RMSNorm that follows a row-parallel layer, with its residual add and the layer's sum
         over the ranks in one kernel: (normed, new residual), or None for a tensor it does not take."""
-        from kernels.one_shot_all_reduce import one_shot_all_reduce_rms_norm
+        from nanoplane.kernels.one_shot_all_reduce import one_shot_all_reduce_rms_norm
 
         if not self.takes(x) or x.dim() != 2 or not residual.is_contiguous() or residual.dtype != x.dtype:
             return None

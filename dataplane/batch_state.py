@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from proto.plane import NewRequest, StepDescriptor
+from nanoplane.proto.plane import NewRequest, StepDescriptor
 
 
 class StepRefused(Exception):

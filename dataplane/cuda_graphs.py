@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from dataplane.uploader import Uploader
-from models.context import AttentionContext, reset_context, set_context
+from nanoplane.dataplane.uploader import Uploader
+from nanoplane.models.context import AttentionContext, reset_context, set_context
 
 log = logging.getLogger(__name__)
 

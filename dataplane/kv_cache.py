@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers.attention import Attention
+from nanoplane.models.layers.attention import Attention
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -23,11 +23,11 @@ import signal
 import sys
 from multiprocessing.connection import wait
 
-from dataplane.config import DataPlaneConfig
-from dataplane.worker import WorkerOptions, run_rank
+from nanoplane.dataplane.config import DataPlaneConfig
+from nanoplane.dataplane.worker import WorkerOptions, run_rank
 from nanoplane.process import configure_logging, free_port
+from nanoplane.proto.exit_codes import ExitCode, killed_by
 from nanoplane.settings import add_options
-from proto.exit_codes import ExitCode, killed_by
 
 # rank and epoch are not flags: the launcher numbers the ranks, the control plane assigns the epoch.
 _NOT_FLAGS = {"model", "rank", "world_size", "epoch"}

@@ -8,10 +8,10 @@ import dataclasses
 import multiprocessing as mp
 from collections import deque
 
-from dataplane.config import DataPlaneConfig
-from dataplane.model_runner import ModelRunner
+from nanoplane.dataplane.config import DataPlaneConfig
+from nanoplane.dataplane.model_runner import ModelRunner
 from nanoplane.process import free_port, freeze_startup_objects
-from proto.plane import PlaneInfo, StepDescriptor, StepResult
+from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 
 def _serve_rank(cfg: DataPlaneConfig, conn) -> None:

@@ -18,25 +18,25 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from dataplane import kv_cache
-from dataplane.allreduce import make_fast_all_reduce
-from dataplane.batch_state import BatchState, StepRefused
-from dataplane.config import DataPlaneConfig
-from dataplane.cuda_graphs import DecodeGraphs, longest_first
-from dataplane.sampler import Sampler, filtered_rows
-from dataplane.uploader import Uploader
-from kernels import decode_attention
-from kernels.pdl import set_pdl
-from models.attention_backend import resolve_backend_name, set_backend
-from models.context import AttentionContext, reset_context, set_context
-from models.layers.fused import enable_fused_kernels
-from models.layers.linear import set_skinny_max_rows
-from models.layers.parallel import set_fast_all_reduce
-from models.loader import load_model
-from models.norm_fold import fold_norms
-from models.registry import model_class
+from nanoplane.dataplane import kv_cache
+from nanoplane.dataplane.allreduce import make_fast_all_reduce
+from nanoplane.dataplane.batch_state import BatchState, StepRefused
+from nanoplane.dataplane.config import DataPlaneConfig
+from nanoplane.dataplane.cuda_graphs import DecodeGraphs, longest_first
+from nanoplane.dataplane.sampler import Sampler, filtered_rows
+from nanoplane.dataplane.uploader import Uploader
+from nanoplane.kernels import decode_attention
+from nanoplane.kernels.pdl import set_pdl
+from nanoplane.models.attention_backend import resolve_backend_name, set_backend
+from nanoplane.models.context import AttentionContext, reset_context, set_context
+from nanoplane.models.layers.fused import enable_fused_kernels
+from nanoplane.models.layers.linear import set_skinny_max_rows
+from nanoplane.models.layers.parallel import set_fast_all_reduce
+from nanoplane.models.loader import load_model
+from nanoplane.models.norm_fold import fold_norms
+from nanoplane.models.registry import model_class
+from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT, PlaneInfo, StepDescriptor, StepResult
 from nanoplane.settings import read_tuning
-from proto.plane import MAX_STEPS_IN_FLIGHT, PlaneInfo, StepDescriptor, StepResult
 
 
 @dataclass(slots=True)
@@ -141,7 +141,7 @@ class ModelRunner:
         single = self.world_size == 1
         sample = None
         if single and self.sampler.fused:
-            import kernels
+            from nanoplane import kernels
 
             sample = kernels.sample
         return DecodeGraphs(self.model, self.state.token_buf, self.cfg.max_num_seqs, self.state.max_blocks,
@@ -322,7 +322,7 @@ class ModelRunner:
         """Tensor parallelism without gathering the logits: each rank draws from its slice of the
         vocabulary with the noise the whole row would get, and the ranks swap their best (score,
         column) pairs, 8 bytes a row instead of the row's logits (39 MB at 256 rows of Qwen3)."""
-        import kernels
+        from nanoplane import kernels
 
         st = self.state
         temperature = st.temperature[slots]

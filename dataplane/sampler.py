@@ -89,7 +89,7 @@ class Sampler:
             t, k, p, m = upload(temperature, top_k, top_p, min_p)
             return self._torch_sample(logits, t, k, p, m, seeds, positions, all_greedy=False,
                                       filtered=bool(row_filtered.any()))
-        import kernels  # triton is optional: only the fused path needs it
+        from nanoplane import kernels  # triton is optional: only the fused path needs it
 
         keys, offsets = self.streams(seeds, positions)
         if not row_filtered.any():
@@ -129,7 +129,7 @@ class Sampler:
         rank's slice (kernels.sample_partial)."""
         if not self.fused or self.device.type != "cuda":
             return
-        import kernels
+        from nanoplane import kernels
 
         t = torch.ones(max_rows, device=self.device)
         zeros = torch.zeros(max_rows, dtype=torch.int64, device=self.device)

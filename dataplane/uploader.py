@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from proto.plane import MAX_STEPS_IN_FLIGHT
+from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT
 
 # Each array starts at a multiple of this many bytes. Triton compiles a kernel once per pattern of its
 # pointer arguments' 16-byte alignment: packed back to back, an odd number of int64s would leave the

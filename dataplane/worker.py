@@ -33,13 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
-from dataplane.config import DataPlaneConfig
+from nanoplane.dataplane.config import DataPlaneConfig
 from nanoplane.liveness import STALL_S, Liveness
 from nanoplane.process import configure_logging, freeze_startup_objects
+from nanoplane.proto import codec
+from nanoplane.proto.exit_codes import ExitCode
+from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult
 from nanoplane.settings import read_tuning
-from proto import codec
-from proto.exit_codes import ExitCode
-from proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult
 
 EXIT_GRACE_S = 5.0  # how long the main thread gets to leave on its own before the process is ended
 
@@ -145,7 +145,7 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _C
         cfg = dataclasses.replace(cfg, device="cuda" if torch.cuda.is_available() else "cpu")
     if cfg.device == "cpu" and cfg.world_size > 1:
         torch.set_num_threads(1)  # N ranks on one host's cores: one thread each, no oversubscription
-    from dataplane.model_runner import ModelRunner
+    from nanoplane.dataplane.model_runner import ModelRunner
 
     runner = ModelRunner(cfg)
     freeze_startup_objects()  # torch, the model, Triton's kernels and the CUDA graphs: a full GC would stall steps

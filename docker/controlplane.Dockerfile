@@ -16,16 +16,17 @@ ENV PYTHONUNBUFFERED=1 \
 COPY docker/requirements-controlplane.txt /tmp/requirements-controlplane.txt
 RUN pip install -r /tmp/requirements-controlplane.txt
 
-# Only the packages the control plane's commands load. dataplane/ comes along because the CLI builds
-# the `nanoplane dataplane` flags from dataplane/launcher.py, which imports no torch.
+# Every folder, since the distribution installs them all under `nanoplane`; the control plane's commands
+# never load models/, kernels/ or dataplane/'s torch modules (the check below fails the build if one does).
 WORKDIR /opt/nanoplane
 COPY pyproject.toml README.md ./
 COPY nanoplane ./nanoplane
 COPY proto ./proto
-COPY nanoplane ./nanoplane
 COPY controlplane ./controlplane
 COPY clients ./clients
 COPY dataplane ./dataplane
+COPY models ./models
+COPY kernels ./kernels
 # --no-deps: pyproject.toml lists torch (for the data plane), which this image must never download.
 RUN pip install --no-deps . && rm -rf build ./*.egg-info
 
@@ -33,7 +34,8 @@ RUN pip install --no-deps . && rm -rf build ./*.egg-info
 # (torch above all: it is not installed, so any import of it fails here).
 RUN nanoplane controlplane --help >/dev/null \
     && nanoplane health --help >/dev/null \
-    && python -I -c "import controlplane.service, controlplane.grpc_server, controlplane.dataplane_client, clients.client"
+    && python -I -c "import nanoplane.controlplane.service, nanoplane.controlplane.grpc_server, \
+nanoplane.controlplane.dataplane_client, nanoplane.clients.client"
 
 RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin nanoplane
 USER 10001

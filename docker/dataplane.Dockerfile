@@ -47,7 +47,6 @@ print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/
 
 COPY nanoplane ./nanoplane
 COPY proto ./proto
-COPY nanoplane ./nanoplane
 COPY controlplane ./controlplane
 COPY clients ./clients
 COPY dataplane ./dataplane
@@ -55,7 +54,7 @@ COPY models ./models
 COPY kernels ./kernels
 RUN pip install --no-deps . && rm -rf build ./*.egg-info \
     && nanoplane dataplane --help >/dev/null \
-    && python -c "import torch, triton, dataplane.model_runner"
+    && python -c "import torch, triton, nanoplane.dataplane.model_runner"
 
 # Not root. The Triton kernel cache lives in the home folder (docker-compose.yml keeps it in a volume
 # so a restarted data plane does not compile its kernels again); created here so a fresh volume

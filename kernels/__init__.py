@@ -23,15 +23,15 @@ __all__ = [
 ]
 
 if importlib.util.find_spec("triton") is not None:
-    from kernels.activation import silu_and_mul
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.prefill_attention import paged_prefill_attention
-    from kernels.qkv_prologue import qkv_prologue
-    from kernels.rmsnorm import rms_norm
-    from kernels.rotary import apply_rotary
-    from kernels.sampling import combine_partials, sample, sample_partial
-    from kernels.skinny_gemm import skinny_gemm
-    from kernels.store_kvcache import store_kvcache
+    from nanoplane.kernels.activation import silu_and_mul
+    from nanoplane.kernels.decode_attention import paged_decode_attention
+    from nanoplane.kernels.prefill_attention import paged_prefill_attention
+    from nanoplane.kernels.qkv_prologue import qkv_prologue
+    from nanoplane.kernels.rmsnorm import rms_norm
+    from nanoplane.kernels.rotary import apply_rotary
+    from nanoplane.kernels.sampling import combine_partials, sample, sample_partial
+    from nanoplane.kernels.skinny_gemm import skinny_gemm
+    from nanoplane.kernels.store_kvcache import store_kvcache
 else:
 
     def __getattr__(name: str):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_prologue
+from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 
 # Launch parameters (`benchmarks/kernels.py --only decode_sweep` times the alternatives). block_n:
 # tokens per inner-loop tile, independent of the cache's block size (each token's page is looked up

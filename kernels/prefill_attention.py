@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_prologue
+from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 
 # block_m: query rows (tokens x heads of a group) per program; block_n: keys per inner-loop tile,
 # independent of the cache's block size. `benchmarks/kernels.py --only prefill_sweep` (BENCHMARKS.md,

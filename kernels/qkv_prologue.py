@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_prologue
-from kernels.rmsnorm import row_inv_rms, row_norm_args
+from nanoplane.kernels.pdl import pdl_args, pdl_prologue
+from nanoplane.kernels.rmsnorm import row_inv_rms, row_norm_args
 
 
 @triton.jit

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_prologue
+from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit

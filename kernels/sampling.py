@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_prologue
+from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 
 # Columns per group: the draw's partition (changing it changes every seeded draw). 64 divides the
 # slices of Qwen3's vocabulary over two ranks (75,968 = 64 x 1,187).

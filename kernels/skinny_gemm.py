@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, pdl_prologue
+from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 
 # Rows one tensor-core program covers: with programmatic dependent launch a decode step of up to
 # 64 rows runs its linear layers here rather than in cuBLAS (NANOPLANE_SKINNY_MAX_ROWS).

@@ -15,7 +15,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from models.context import AttentionContext
+from nanoplane.models.context import AttentionContext
 
 BACKENDS = ("torch", "triton", "flash-attn")
 
@@ -65,7 +65,7 @@ class TritonBackend(TorchBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        import kernels
+        from nanoplane import kernels
 
         self.k = kernels
 

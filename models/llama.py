@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers.activation import SiluAndMul
-from models.layers.attention import Attention
-from models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from models.layers.fused import fused_kernels_enabled
-from models.layers.layernorm import RMSNorm
-from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from models.layers.parallel import tp_size
-from models.layers.rotary import RotaryEmbedding
+from nanoplane.models.layers.activation import SiluAndMul
+from nanoplane.models.layers.attention import Attention
+from nanoplane.models.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanoplane.models.layers.fused import fused_kernels_enabled
+from nanoplane.models.layers.layernorm import RMSNorm
+from nanoplane.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoplane.models.layers.parallel import tp_size
+from nanoplane.models.layers.rotary import RotaryEmbedding
 
 
 class SelfAttention(nn.Module):

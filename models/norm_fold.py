@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers.fused import fused_kernels_enabled
-from models.layers.parallel import tp_size
-from models.llama import DecoderModel
+from nanoplane.models.layers.fused import fused_kernels_enabled
+from nanoplane.models.layers.parallel import tp_size
+from nanoplane.models.llama import DecoderModel
 
 
 def foldable(model: nn.Module, enabled: bool = True) -> bool:

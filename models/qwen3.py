@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.llama import LlamaForCausalLM
+from nanoplane.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

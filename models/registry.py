@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from models.llama import LlamaForCausalLM
-from models.qwen3 import Qwen3ForCausalLM
+from nanoplane.models.llama import LlamaForCausalLM
+from nanoplane.models.qwen3 import Qwen3ForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -33,13 +33,13 @@ def resolve_model(model: str | None) -> str:
     """The given folder, or the embedded default model (converted once from its PyPI package)."""
     if model:
         return model
-    from models.default_model import default_model_dir
+    from nanoplane.models.default_model import default_model_dir
 
     return str(default_model_dir(settings.read_tuning().cache))
 
 
 def engine_config(args: argparse.Namespace):
-    from controlplane.config import EngineConfig
+    from nanoplane.controlplane.config import EngineConfig
 
     return EngineConfig(resolve_model(args.model), **engine_kwargs(args))
 
@@ -47,7 +47,7 @@ def engine_config(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.server:
         return _generate_remote(args)
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     llm = LLM(resolve_model(args.model), **engine_kwargs(args))
     prompt: str | list[int] = args.prompt
@@ -63,7 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate_remote(args: argparse.Namespace) -> int:
     """Stream the answer from a running server, as it is generated."""
-    from clients.client import Client
+    from nanoplane.clients.client import Client
 
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
     if args.sampling_seed is not None:
@@ -90,13 +90,13 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from controlplane.service import run_serve
+    from nanoplane.controlplane.service import run_serve
 
     return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
-    from controlplane.service import run_controlplane
+    from nanoplane.controlplane.service import run_controlplane
 
     return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}")
 
@@ -109,7 +109,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_dataplane(args: argparse.Namespace) -> int:
-    from dataplane.launcher import launch
+    from nanoplane.dataplane.launcher import launch
 
     return launch(args)
 
@@ -117,7 +117,7 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     import grpc
 
-    from clients.client import Client
+    from nanoplane.clients.client import Client
 
     try:
         with Client(args.server) as client:

@@ -23,7 +23,7 @@ def serve_in_background(serve_args: list[str], start_timeout: float = 600.0, **p
     """`nanoplane serve SERVE_ARGS` on a free loopback port; yields (address, process) once health says
     SERVING and stops the process on exit. The demo, the benchmarks and the tests start the service
     this way. RuntimeError if the server exits first, TimeoutError if it is not ready in time."""
-    from clients.client import Client
+    from nanoplane.clients.client import Client
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "nanoplane", "serve", "--port", str(port), *serve_args], **popen)
@@ -57,8 +57,8 @@ class Progress:
 
 
 def run_demo(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    from clients.client import Client
-    from models.default_model import MODEL_NAME, default_model_dir
+    from nanoplane.clients.client import Client
+    from nanoplane.models.default_model import MODEL_NAME, default_model_dir
 
     tuning = settings.read_tuning()
     progress = Progress()

@@ -173,7 +173,7 @@ def dataplane_argv(config: Any, control: str) -> list[str]:
     """The data-plane launcher's command line for an EngineConfig, attached to `control`."""
     values = {o.name: getattr(config, o.name) for o in options_for("dataplane") if hasattr(config, o.name)}
     values["control"] = control
-    return [sys.executable, "-m", "dataplane.launcher", *option_argv(values, "dataplane")]
+    return [sys.executable, "-m", "nanoplane.dataplane.launcher", *option_argv(values, "dataplane")]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from proto.plane import NewRequest, PlaneInfo, SamplingSpec, StepDescriptor, StepResult
+from nanoplane.proto.plane import NewRequest, PlaneInfo, SamplingSpec, StepDescriptor, StepResult
 
 MAGIC = b"NP"
 VERSION = 1

@@ -26,7 +26,7 @@ def main() -> None:
             sys.exit(f"protoc failed on {source}")
         grpc_file = PROTO_DIR / source.replace(".proto", "_pb2_grpc.py")
         text = grpc_file.read_text()
-        patched, n = re.subn(r"^from nanoplane\.", "from proto.nanoplane.", text, flags=re.MULTILINE)
+        patched, n = re.subn(r"^from nanoplane\.", "from nanoplane.proto.nanoplane.", text, flags=re.MULTILINE)
         if n == 0:
             sys.exit(f"{grpc_file}: found no 'from nanoplane.' import to rewrite; did protoc change its output?")
         grpc_file.write_text(patched)

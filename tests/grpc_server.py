@@ -17,16 +17,16 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from clients import Client
-from controlplane.config import EngineConfig
-from controlplane.engine import Engine
-from controlplane.front_inproc import InProcessFront
-from controlplane.service import build_process_server, build_server
-from controlplane.supervisor import DataPlaneSupervisor
-from dataplane.config import DataPlaneConfig
-from dataplane.local import LocalDataPlane
+from nanoplane.clients import Client
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.front_inproc import InProcessFront
+from nanoplane.controlplane.service import build_process_server, build_server
+from nanoplane.controlplane.supervisor import DataPlaneSupervisor
+from nanoplane.dataplane.config import DataPlaneConfig
+from nanoplane.dataplane.local import LocalDataPlane
+from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
 from nanoplane.settings import dataplane_argv
-from proto.nanoplane.v1 import generation_pb2 as pb
 
 PROMPTS = ["héllo wörld ☃ 東京 🙂", "the quick brown fox", "paged attention keeps"]
 MAX_LEN, BLOCKS, SEQS = 256, 256, 64

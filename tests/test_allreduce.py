@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from conftest import hf_greedy
 
-from dataplane.allreduce import make_fast_all_reduce
-from models.layers import parallel
+from nanoplane.dataplane.allreduce import make_fast_all_reduce
+from nanoplane.models.layers import parallel
 from nanoplane.process import free_port
 from nanoplane.settings import read_tuning
 
@@ -52,7 +52,7 @@ def test_choice_of_all_reduce():
 
 
 def _set_up(rank: int, port: int, fail: str, queue) -> None:
-    from dataplane.allreduce import set_up_everywhere
+    from nanoplane.dataplane.allreduce import set_up_everywhere
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     met = []
@@ -119,7 +119,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 
 
 def _compare_with_nccl(rank: int, port: int, choice: str, queue) -> None:
-    from dataplane.allreduce import CHOICES
+    from nanoplane.dataplane.allreduce import CHOICES
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -191,7 +191,7 @@ def _engine_tokens(path: str, prompts: list[list[int]], choice: str, queue) -> N
     each engine is then a fresh process (a second engine's group in one process falls back to NCCL)."""
     import os
 
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     os.environ["NANOPLANE_ALLREDUCE"] = choice  # the spawned rank inherits it
     llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, attention_backend="triton",
@@ -227,7 +227,7 @@ def test_engine_tp2_with_one_shot_all_reduce_matches_transformers(tiny_models, c
 
 
 def test_a_set_up_for_a_second_process_group_is_refused(monkeypatch):
-    from dataplane import allreduce
+    from nanoplane.dataplane import allreduce
 
     monkeypatch.setattr(allreduce, "_first_group", [object()])  # an earlier engine's group
     for cls in allreduce.CHOICES.values():

@@ -19,10 +19,10 @@ pytest.importorskip("triton")
 
 from kernel_checks import DEV, DTYPES, HEADS, TOL, gpu, i32, paged_cache, rel_err  # noqa: E402
 
-import kernels.decode_attention as decode_module  # noqa: E402
-import kernels.prefill_attention as prefill_attention  # noqa: E402
-from kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+import nanoplane.kernels.decode_attention as decode_module  # noqa: E402
+import nanoplane.kernels.prefill_attention as prefill_attention  # noqa: E402
+from nanoplane.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
+from nanoplane.kernels import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("seed_from_test_id")
 
@@ -90,7 +90,7 @@ def test_decode_seq_order(heads_fastest, num_splits):
 
 
 def test_longest_first():
-    from dataplane.cuda_graphs import longest_first
+    from nanoplane.dataplane.cuda_graphs import longest_first
 
     order = longest_first(np.array([3, 9, 0, 9, 4], dtype=np.int32))
     assert order.dtype == np.int32 and order.tolist() == [1, 3, 4, 0, 2]  # ties keep row order

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import hf_greedy
 
-from controlplane import LLM, SamplingParams
+from nanoplane.controlplane import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs,match", [

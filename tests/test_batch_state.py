@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.batch_state import BatchState, StepRefused
-from proto.plane import NewRequest, SamplingSpec, StepDescriptor, int32_column
+from nanoplane.dataplane.batch_state import BatchState, StepRefused
+from nanoplane.proto.plane import NewRequest, SamplingSpec, StepDescriptor, int32_column
 
 
 def request(slot: int, tokens: list[int], blocks: list[int]) -> NewRequest:

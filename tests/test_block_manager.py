@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import NO_HASH, BlockManager, chain_hash
-from controlplane.sampling_params import SamplingParams
-from controlplane.sequence import Sequence
+from nanoplane.controlplane.block_manager import NO_HASH, BlockManager, chain_hash
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import Sequence
 
 BS = 16
 PARAMS = SamplingParams(temperature=0, max_tokens=4)

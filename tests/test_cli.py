@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from controlplane.config import EngineConfig
-from dataplane.launcher import add_arguments
 from nanoplane import settings
 from nanoplane.cli import COMMANDS, build_parser, engine_config, main
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.dataplane.launcher import add_arguments
 from nanoplane.process import free_port
 from nanoplane.settings import dataplane_argv
 
@@ -43,7 +43,7 @@ def test_serve_hands_the_data_plane_every_setting(tiny_models):
                           num_kvcache_blocks=40, gpu_memory_utilization=0.5, cpu_kvcache_gib=0.25,
                           enforce_eager=True, attention_backend="torch", seed=7)
     argv = dataplane_argv(config, "ipc:///tmp/x.sock")
-    assert argv[:3] == [sys.executable, "-m", "dataplane.launcher"]
+    assert argv[:3] == [sys.executable, "-m", "nanoplane.dataplane.launcher"]
     args = dataplane_parser().parse_args(argv[3:])
     assert (args.model, args.control, args.world_size) == (config.model, "ipc:///tmp/x.sock", 2)
     assert (args.device, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len) == (
@@ -150,7 +150,7 @@ def test_waiting_for_a_server_that_never_answers_keeps_its_timeout():
     import socket
     import time
 
-    from clients.client import Client
+    from nanoplane.clients.client import Client
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

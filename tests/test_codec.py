@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proto import codec
-from proto.codec import Heartbeat, Hello, ProtocolError, Ready, Result, Shutdown, Welcome, decode
-from proto.plane import NewRequest, PlaneInfo, SamplingSpec, StepDescriptor, StepResult, int32_column
+from nanoplane.proto import codec
+from nanoplane.proto.codec import Heartbeat, Hello, ProtocolError, Ready, Result, Shutdown, Welcome, decode
+from nanoplane.proto.plane import NewRequest, PlaneInfo, SamplingSpec, StepDescriptor, StepResult, int32_column
 
 i32 = st.integers(-(2**31), 2**31 - 1)
 i64 = st.integers(-(2**63), 2**63 - 1)

@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from controlplane import dataplane_client
-from controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
 from nanoplane import process
-from proto import codec
-from proto.exit_codes import ExitCode
-from proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
+from nanoplane.controlplane import dataplane_client
+from nanoplane.controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
+from nanoplane.proto import codec
+from nanoplane.proto.exit_codes import ExitCode
+from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
 class FakeRank:

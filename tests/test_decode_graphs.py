@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from controlplane import LLM, SamplingParams
-from dataplane.cuda_graphs import DecodeGraphs, bucket_sizes
+from nanoplane.controlplane import LLM, SamplingParams
+from nanoplane.dataplane.cuda_graphs import DecodeGraphs, bucket_sizes
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
                                 reason="the triton backend on CPU tensors needs TRITON_INTERPRET=1 and no GPU")
@@ -58,7 +58,7 @@ def prompts_and_params():
 
 
 def generate(tiny_models, prompts, params, graphs: bool, with_head: bool = True):
-    import kernels
+    from nanoplane import kernels
 
     llm = LLM(str(tiny_models["qwen3"]), device="cpu", attention_backend="triton", kvcache_block_size=16,
               max_num_seqs=8, seed=1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from models.default_model import (
+from nanoplane.models.default_model import (
     MODEL_NAME,
     REQUIRED_FILES,
     convert_gguf,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import hf_greedy
 
-from controlplane import LLM, SamplingParams
-from models.default_model import default_model_dir
+from nanoplane.controlplane import LLM, SamplingParams
+from nanoplane.models.default_model import default_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tiny_models import VOCAB, make_tokenizer
 
-from controlplane.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher, TextStream
+from nanoplane.controlplane.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher, TextStream
 
 ALPHABET = list("abc xyz.,!") + ["é", "ü", "ß", "☃", "東", "京", "🙂", "👍", "\U0001F3FD", "\n"]
 # Hypothesis needs settings that tolerate a module fixture and slow-ish decodes on a 2-core box.

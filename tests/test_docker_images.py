@@ -126,10 +126,14 @@ def _image_like_path(tmp: Path) -> str:
     """A PYTHONPATH holding what the control-plane image holds: the packages its Dockerfile COPYs and
     the distributions its requirements pull in (linked from this environment), nothing else."""
     src, site = tmp / "src", tmp / "site"
-    src.mkdir()
     site.mkdir()
-    for package in {Path(s).parts[0] for s in _copy_sources(DOCKERFILES["controlplane"])} & OURS:
-        (src / package).symlink_to(ROOT / package)
+    copied = {Path(s).parts[0] for s in _copy_sources(DOCKERFILES["controlplane"])} & OURS
+    assert "nanoplane" in copied, "the control-plane image does not copy nanoplane/"
+    (src / "nanoplane").mkdir(parents=True)  # laid out as installed: every folder under nanoplane/
+    for module in (ROOT / "nanoplane").iterdir():
+        (src / "nanoplane" / module.name).symlink_to(module)
+    for package in copied - {"nanoplane"}:
+        (src / "nanoplane" / package).symlink_to(ROOT / package)
     wanted = _dependency_closure([Requirement(x) for x in _requirement_lines(CP_REQUIREMENTS)])
     for dist in metadata.distributions():
         if canonicalize_name(dist.metadata["Name"]) not in wanted:
@@ -154,7 +158,7 @@ def _stop(proc: subprocess.Popen) -> str:
 
 def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path):
     """The compose topology on this host. The control plane runs under `python -S` with only what its
-    image installs on the path (no torch, no models/ or kernels/); the data plane runs here (with
+    image installs on the path (no torch; models/ and kernels/ never loaded); the data plane runs here (with
     torch, on the CPU). Each gets its service's compose environment, changed only where this host
     differs: the model, loopback addresses, free ports, the CPU. Then the health check fails while no
     data plane is attached, passes once one is, a client streams an answer, and stopping the control
@@ -165,13 +169,14 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     model = str(tiny_models["qwen3"])
 
     code = ("import sys\n"
-            "import nanoplane.cli, controlplane.service, controlplane.grpc_server, controlplane.dataplane_client\n"
-            "import clients.client\n"
+            "import nanoplane.cli, nanoplane.controlplane.service, nanoplane.controlplane.grpc_server\n"
+            "import nanoplane.controlplane.dataplane_client, nanoplane.clients.client\n"
             "nanoplane.cli.build_parser()\n"
-            "from controlplane.tokenizer import Tokenizer\n"
+            "from nanoplane.controlplane.tokenizer import Tokenizer\n"
             f"tok = Tokenizer({model!r})\n"
             "assert tok.decode(tok.encode('the quick brown fox')) == 'the quick brown fox'\n"
-            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'models', 'kernels'))\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')\n"
+            "               or m.split('.')[:2] in (['nanoplane', 'models'], ['nanoplane', 'kernels']))\n"
             "assert not heavy, heavy\n")
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=image, capture_output=True,
                          text=True, timeout=300)

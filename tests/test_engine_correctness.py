@@ -9,8 +9,8 @@ import random
 import pytest
 from conftest import TINY, hf_greedy
 
-from controlplane import LLM, SamplingParams
-from models.norm_fold import folded
+from nanoplane.controlplane import LLM, SamplingParams
+from nanoplane.models.norm_fold import folded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [1, 2, 15, 16, 17, 63, 130, 300]

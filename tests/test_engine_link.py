@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane import engine_process
-from controlplane.errors import DataPlaneUnavailable, RequestIdInUse, failure_error, failure_kind
-from proto import engine_link as link
+from nanoplane.controlplane import engine_process
+from nanoplane.controlplane.errors import DataPlaneUnavailable, RequestIdInUse, failure_error, failure_kind
+from nanoplane.proto import engine_link as link
 
 ints = st.integers(-(2**63), 2**63 - 1)
 counts = st.integers(0, 2**31 - 1)

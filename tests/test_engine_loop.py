@@ -14,12 +14,12 @@ import threading
 import numpy as np
 import pytest
 
-from controlplane.config import EngineConfig
-from controlplane.engine import Engine
-from controlplane.engine_loop import EngineLoop
-from controlplane.front_inproc import InProcessFront
-from controlplane.sampling_params import SamplingParams
-from proto.plane import PlaneInfo, StepDescriptor, StepResult
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.engine_loop import EngineLoop
+from nanoplane.controlplane.front_inproc import InProcessFront
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 EOS = 0
 
@@ -123,7 +123,7 @@ def test_ready_again_is_logged_on_a_reattach_only(engine_and_plane, caplog):
     attached = threading.Event()
     loop = EngineLoop(None, lambda batch: None, recover=lambda old: engine, recover_interval_s=0.01)
     loop.add_ready_listener(lambda ready: attached.set() if ready else None)
-    caplog.set_level("INFO", logger="controlplane.engine_loop")
+    caplog.set_level("INFO", logger="nanoplane.controlplane.engine_loop")
     loop.start()
     try:
         assert attached.wait(10)

@@ -26,8 +26,9 @@ def engine_process(monkeypatch):
 
 
 def engine_processes(server: Server) -> list[psutil.Process]:
-    # ProcessFront starts `python -m controlplane.engine_process LAUNCH`
-    return [c for c in psutil.Process(server.proc.pid).children() if "controlplane.engine_process" in c.cmdline()]
+    # ProcessFront starts `python -m nanoplane.controlplane.engine_process LAUNCH`
+    children = psutil.Process(server.proc.pid).children()
+    return [c for c in children if "nanoplane.controlplane.engine_process" in c.cmdline()]
 
 
 def test_streams_equal_the_embedded_engine_and_bad_input_is_refused(tiny_models, embedded_tokens, engine_process):
@@ -66,7 +67,7 @@ def test_frozen_engine_process_is_killed_and_replaced(tiny_models, embedded_toke
     """An engine process that is alive but silent (SIGSTOP here; a call holding its GIL looks the same)
     would hold every stream forever: after ENGINE_SILENCE_S without a beat it is killed, the open
     streams end with UNAVAILABLE and a new engine process serves."""
-    from controlplane.front_process import ENGINE_SILENCE_S
+    from nanoplane.controlplane.front_process import ENGINE_SILENCE_S
 
     server = Server(tiny_models["qwen3"], 1)
     try:
@@ -138,8 +139,8 @@ def test_stopping_the_service_ends_open_streams_and_the_engine_process(tiny_mode
 def test_a_front_never_started_shuts_down_cleanly(tiny_models):
     from pathlib import Path
 
-    from controlplane.config import EngineConfig
-    from controlplane.front_process import ProcessFront
+    from nanoplane.controlplane.config import EngineConfig
+    from nanoplane.controlplane.front_process import ProcessFront
 
     front = ProcessFront(EngineConfig(str(tiny_models["qwen3"]), device="cpu"), "ipc:///nonexistent/plane.sock", ())
     sockets = Path(front._dir)
@@ -152,9 +153,9 @@ def test_both_fronts_have_the_whole_interface():
     """The gRPC server is typed to EngineFront: each front has every member, with the parameters it names."""
     import inspect
 
-    from controlplane.front import EngineFront
-    from controlplane.front_inproc import InProcessFront
-    from controlplane.front_process import ProcessFront
+    from nanoplane.controlplane.front import EngineFront
+    from nanoplane.controlplane.front_inproc import InProcessFront
+    from nanoplane.controlplane.front_process import ProcessFront
 
     members = [name for name in vars(EngineFront) if not name.startswith("_")]
     assert {"facts", "generate", "abort", "status", "start", "shutdown", "set_data_plane_ready"} <= set(members)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import hf_greedy
 
-from controlplane import LLM, SamplingParams
+from nanoplane.controlplane import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -159,7 +159,7 @@ def test_graph_tails_sample_as_the_eager_step_does(tiny_models):
 def test_programmatic_dependent_launch_changes_no_result(tiny_models, monkeypatch):
     """PDL only moves launches earlier; a kernel that read its predecessor's output before waiting would
     show here as tokens that differ between launches with and without it (bf16, graphs and eager)."""
-    from kernels import pdl
+    from nanoplane.kernels import pdl
 
     rng = random.Random(9)
     prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (2, 33, 70, 5, 120, 9, 41)]

@@ -16,12 +16,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_server import BLOCKS, FRONTS, MAX_LEN, PROMPTS, ServerThread, rpc_error, wait_idle
 from tiny_models import make_tiny_model
 
-from clients import AsyncClient, Client
-from controlplane.grpc_server import SERVICE
-from controlplane.llm import LLM
-from controlplane.sampling_params import SamplingParams
-from proto.nanoplane.v1 import generation_pb2 as pb
-from proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
+from nanoplane.clients import AsyncClient, Client
+from nanoplane.controlplane.grpc_server import SERVICE
+from nanoplane.controlplane.llm import LLM
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
+from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ import zmq
 from grpc_server import FRONTS, PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
 from tiny_models import make_tiny_model
 
-from clients import Client
-from controlplane.errors import DataPlaneUnavailable, RequestIdInUse
-from controlplane.front import REQUEST_ID_GRACE_S, Stream, wait_for_free_id
-from controlplane.grpc_server import SERVICE
-from controlplane.sampling_params import SamplingParams
-from proto import engine_link as link
+from nanoplane.clients import Client
+from nanoplane.controlplane.errors import DataPlaneUnavailable, RequestIdInUse
+from nanoplane.controlplane.front import REQUEST_ID_GRACE_S, Stream, wait_for_free_id
+from nanoplane.controlplane.grpc_server import SERVICE
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.proto import engine_link as link
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_cancel_and_deadline_free_blocks(model):
 def test_duplicate_request_id(served, monkeypatch):
     _, client = served
     # No grace for a cancelled holder of the id: the first stream (200 tokens) may end within it.
-    monkeypatch.setattr("controlplane.front.REQUEST_ID_GRACE_S", 0.0)
+    monkeypatch.setattr("nanoplane.controlplane.front.REQUEST_ID_GRACE_S", 0.0)
     first = client.generate(PROMPTS[0], request_id="dup", max_tokens=200, ignore_eos=True)
     assert next(first).request_id == "dup"
     err = rpc_error(lambda: list(client.generate(PROMPTS[1], request_id="dup", max_tokens=4)))

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from kernel_checks import DEV, ROUNDS_BF16, TOL, gpu, paged_cache, rel_err  # noqa: E402
 
-from kernels import (  # noqa: E402
+from nanoplane.kernels import (  # noqa: E402
     apply_rotary,
     qkv_prologue,
     rms_norm,
@@ -29,7 +29,7 @@ from kernels import (  # noqa: E402
     skinny_gemm,
     store_kvcache,
 )
-from kernels import reference as ref  # noqa: E402
+from nanoplane.kernels import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("seed_from_test_id")
 
@@ -180,10 +180,10 @@ def test_skinny_gemm_tiles(use_dot, block_n, block_k, num_stages, m, n, k):
 def test_skinny_gemm_in_linear_layers(monkeypatch):
     """With fused kernels on, linear layers send 1..SKINNY_MAX_ROWS rows through skinny_gemm; results equal
     F.linear's."""
-    import kernels
-    from models.layers import linear
-    from models.layers.fused import enable_fused_kernels, fused_kernels_enabled
-    from models.layers.linear import QKVParallelLinear, RowParallelLinear
+    from nanoplane import kernels
+    from nanoplane.models.layers import linear
+    from nanoplane.models.layers.fused import enable_fused_kernels, fused_kernels_enabled
+    from nanoplane.models.layers.linear import QKVParallelLinear, RowParallelLinear
 
     monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", 16)  # the default is tuned on a GPU; this tests the routing
     calls = []

@@ -22,8 +22,8 @@ pytest.importorskip("triton")
 from kernel_checks import DEV, TOL, rel_err  # noqa: E402
 from test_kernels import check_qkv_prologue  # noqa: E402
 
-from kernels import reference as ref  # noqa: E402
-from kernels import silu_and_mul, skinny_gemm  # noqa: E402
+from nanoplane.kernels import reference as ref  # noqa: E402
+from nanoplane.kernels import silu_and_mul, skinny_gemm  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 EPS = 1e-6
@@ -96,7 +96,7 @@ def tiny_qwen3(bias: bool = False):
     """A two-layer Qwen3 of random weights, norm weights not ones, as the data plane builds it."""
     from transformers import Qwen3Config
 
-    from models.qwen3 import Qwen3ForCausalLM
+    from nanoplane.models.qwen3 import Qwen3ForCausalLM
 
     config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
@@ -110,7 +110,7 @@ def tiny_qwen3(bias: bool = False):
 
 @pytest.fixture
 def fused():
-    from models.layers.fused import enable_fused_kernels, fused_kernels_enabled
+    from nanoplane.models.layers.fused import enable_fused_kernels, fused_kernels_enabled
 
     before = fused_kernels_enabled()
     enable_fused_kernels(True)
@@ -119,8 +119,8 @@ def fused():
 
 
 def test_fold_applies_only_where_it_can(fused):
-    from models.layers.fused import enable_fused_kernels
-    from models.norm_fold import fold_norms, foldable, folded
+    from nanoplane.models.layers.fused import enable_fused_kernels
+    from nanoplane.models.norm_fold import fold_norms, foldable, folded
 
     assert foldable(tiny_qwen3()) and not foldable(tiny_qwen3(bias=True))
     assert not foldable(tiny_qwen3().half())  # fp16 could overflow on the un-normalised rows
@@ -142,7 +142,7 @@ def test_fold_applies_only_where_it_can(fused):
 
 
 def test_only_a_lone_bias_free_projection_adds_to_the_residual():
-    from models.layers.linear import RowParallelLinear
+    from nanoplane.models.layers.linear import RowParallelLinear
 
     with pytest.raises(ValueError, match="bias-free"):
         RowParallelLinear(8, 4, bias=True).add_to_residual()
@@ -156,7 +156,7 @@ def test_only_a_lone_bias_free_projection_adds_to_the_residual():
 
 
 def test_a_folded_norm_hands_the_stream_on():
-    from models.layers.layernorm import RMSNorm
+    from nanoplane.models.layers.layernorm import RMSNorm
 
     norm = RMSNorm(8)
     stream = torch.randn(3, 8)
@@ -174,10 +174,10 @@ def test_folded_model_gives_the_unfolded_logits(fused, monkeypatch, skinny_max_r
     the same logits in fp32 (the rounding moves, nothing else)."""
     import copy
 
-    from models.attention_backend import set_backend
-    from models.context import AttentionContext, reset_context, set_context
-    from models.layers import linear
-    from models.norm_fold import fold_norms
+    from nanoplane.models.attention_backend import set_backend
+    from nanoplane.models.context import AttentionContext, reset_context, set_context
+    from nanoplane.models.layers import linear
+    from nanoplane.models.norm_fold import fold_norms
 
     monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", skinny_max_rows)  # the setter's global, restored after
     set_backend("triton")
@@ -220,10 +220,10 @@ def test_folded_model_gives_the_unfolded_logits(fused, monkeypatch, skinny_max_r
 def test_a_folded_layer_runs_no_norm_kernel(fused, monkeypatch):
     """Per layer: QKV, the prologue with the row scale, attention, o_proj adding to the stream, gate-up,
     silu * mul with the row scale, down adding to the stream; one norm kernel, the final one."""
-    import kernels
-    from models.attention_backend import set_backend
-    from models.context import AttentionContext, reset_context, set_context
-    from models.norm_fold import fold_norms
+    from nanoplane import kernels
+    from nanoplane.models.attention_backend import set_backend
+    from nanoplane.models.context import AttentionContext, reset_context, set_context
+    from nanoplane.models.norm_fold import fold_norms
 
     calls = []  # (kernel, whether it applies a row scale (a tuple argument) or adds to its output)
 

@@ -42,7 +42,7 @@ def _norm_inputs(rows: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tens
 
 
 def _rank(rank: int, world: int, names: dict[str, list[str]], queue) -> None:
-    from kernels.one_shot_all_reduce import Peers, one_shot_all_reduce, one_shot_all_reduce_rms_norm
+    from nanoplane.kernels.one_shot_all_reduce import Peers, one_shot_all_reduce, one_shot_all_reduce_rms_norm
 
     if rank == 0:
         # Rank 0 reads slowly, so its peers run ahead into their next call while rank 0 still reads
@@ -164,7 +164,7 @@ def test_ranks_sum_call_after_call(world):
 def test_the_launcher_checks_its_arguments():
     from dataclasses import replace
 
-    from kernels.one_shot_all_reduce import Peers, one_shot_all_reduce
+    from nanoplane.kernels.one_shot_all_reduce import Peers, one_shot_all_reduce
 
     x = torch.zeros(4)
     table = torch.zeros(2, dtype=torch.int64)

@@ -14,10 +14,10 @@ import weakref
 
 import pytest
 
-from dataplane.launcher import _exit_code
 from nanoplane import process
+from nanoplane.dataplane.launcher import _exit_code
 from nanoplane.process import free_port, freeze_startup_objects, stop_process, terminate
-from proto.exit_codes import ExitCode, killed_by
+from nanoplane.proto.exit_codes import ExitCode, killed_by
 
 
 def test_free_port_can_be_bound():

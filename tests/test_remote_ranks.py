@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from controlplane.config import EngineConfig
-from controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
-from controlplane.engine import Engine
-from controlplane.sampling_params import SamplingParams
-from proto.exit_codes import ExitCode, killed_by
-from proto.plane import StepDescriptor
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.proto.exit_codes import ExitCode, killed_by
+from nanoplane.proto.plane import StepDescriptor
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 LENGTHS = [1, 17, 40, 130, 5, 70]  # 130 and 70 do not fit a 64-token step: chunked prefill
@@ -45,7 +45,7 @@ def model(tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def reference(model) -> dict[int, list[int]]:
     """Greedy tokens of the embedded engine (in-process data plane) on the seeds' prompts."""
-    from controlplane.llm import LLM
+    from nanoplane.controlplane.llm import LLM
 
     llm = LLM(str(model), device="cpu", kvcache_block_size=16, **SIZES)
     try:
@@ -60,7 +60,7 @@ def reference(model) -> dict[int, list[int]]:
 
 
 def launch(model: Path, address: str, tp: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dataplane.launcher", "--model", str(model), "--control", address,
+    cmd = [sys.executable, "-m", "nanoplane.dataplane.launcher", "--model", str(model), "--control", address,
            "--tensor-parallel-size", str(tp), "--device", "cpu", "--num-kvcache-blocks", "256",
            "--heartbeat-interval", "0.2", "--control-timeout", "3"]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items()]
@@ -162,7 +162,7 @@ def test_a_second_signal_while_the_launcher_stops_leaves_no_traceback(tiny_model
     """Ctrl-C, then a supervisor's SIGTERM while the launcher is stopping its ranks: it finishes stopping them
     and exits 130, without a KeyboardInterrupt traceback. The rank is frozen (SIGSTOP), so the launcher is
     still waiting out its grace period when the second signal comes."""
-    cmd = [sys.executable, "-m", "dataplane.launcher", "--model", str(tiny_models["qwen3"]), "--control",
+    cmd = [sys.executable, "-m", "nanoplane.dataplane.launcher", "--model", str(tiny_models["qwen3"]), "--control",
            f"ipc://{tmp_path}/nobody.sock", "--device", "cpu"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True,
                             stderr=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from controlplane import runtime_dir
+from nanoplane.controlplane import runtime_dir
 
 
 def _folder(root, name: str, owner: str | None) -> str:

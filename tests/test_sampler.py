@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane.sampler import Sampler, apply_filters
+from nanoplane.dataplane.sampler import Sampler, apply_filters
 from nanoplane.settings import read_tuning
 
 V = 50
@@ -116,8 +116,8 @@ def host_params(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 @interpreted
 def test_fused_rows_draw_the_kernels_noise_for_their_seed_and_position():
     pytest.importorskip("triton")
-    from kernels.reference import sample_reference
-    from kernels.sampling import sampling_uniforms
+    from nanoplane.kernels.reference import sample_reference
+    from nanoplane.kernels.sampling import sampling_uniforms
 
     logits = torch.randn(4, 37, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)  # raw, as rank 0's
     s = Sampler(torch.device("cpu"), seed=11, fused=True)
@@ -182,7 +182,7 @@ def test_torch_path_takes_raw_half_logits():
 @pytest.mark.parametrize("fused", FUSED)
 def test_engine_seeded_request_ignores_its_batch(tiny_models, fused):
     """Through rank 0's model runner: the request's seed and token positions reach the sampler."""
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     prompts = [[5, 17, 99, 3, 250, 8], [40, 41, 42], [7] * 12, [300, 2, 9, 9]]
     seeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=42)
@@ -204,7 +204,7 @@ def test_engine_seeded_request_ignores_its_batch(tiny_models, fused):
 def test_engine_seeded_request_survives_preemption(tiny_models, fused):
     """A preempted request is recomputed and draws its next positions again: the same tokens, since both paths
     key a seeded row's noise by the position it draws (the torch path once restarted the request's generator)."""
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     prompts = [[(7 * i + j) % 380 + 1 for j in range(20 + 4 * i)] for i in range(5)]
     params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=100 + i) for i in range(5)]
@@ -224,7 +224,7 @@ def test_engine_seeded_request_survives_preemption(tiny_models, fused):
 def test_engine_seeded_request_ignores_chunking_and_the_prefix_cache(tiny_models, fused):
     """A prompt longer than a step's token budget is prefilled in chunks, each drawing a token that is thrown
     away; run again, most of it comes from the prefix cache and it takes fewer chunks. Same tokens both times."""
-    from controlplane import LLM, SamplingParams
+    from nanoplane.controlplane import LLM, SamplingParams
 
     prompt = [(7 * i) % 380 + 1 for i in range(100)]
     seeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=1234)

@@ -17,9 +17,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels import combine_partials, sample, sample_partial  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels.sampling import GROUP, sampling_uniforms  # noqa: E402
+from nanoplane.kernels import combine_partials, sample, sample_partial  # noqa: E402
+from nanoplane.kernels import reference as ref  # noqa: E402
+from nanoplane.kernels.sampling import GROUP, sampling_uniforms  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.config import EngineConfig
-from controlplane.engine import Engine
-from controlplane.sampling_params import SamplingParams
-from controlplane.scheduler import WaitQueue
-from controlplane.sequence import FinishReason, Sequence
-from proto.plane import PlaneInfo, StepDescriptor, StepResult
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.scheduler import WaitQueue
+from nanoplane.controlplane.sequence import FinishReason, Sequence
+from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
 
 VOCAB, EOS = 100, 0
 

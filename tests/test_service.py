@@ -19,8 +19,8 @@ import grpc
 import psutil
 import pytest
 
-from clients.client import Client
-from controlplane import LLM, SamplingParams
+from nanoplane.clients.client import Client
+from nanoplane.controlplane import LLM, SamplingParams
 from nanoplane.demo import serve_in_background
 from nanoplane.process import free_port, stop_process
 
@@ -42,7 +42,7 @@ class Server:
     def ranks(self) -> list[psutil.Process]:
         """The rank processes: children of the data-plane launcher that serve supervises."""
         children = psutil.Process(self.proc.pid).children()
-        launchers = [c for c in children if "dataplane.launcher" in " ".join(c.cmdline())]
+        launchers = [c for c in children if "nanoplane.dataplane.launcher" in " ".join(c.cmdline())]
         return [r for launcher in launchers for r in launcher.children()]
 
     def close(self) -> None:

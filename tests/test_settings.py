@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.config import EngineConfig
-from dataplane.config import DataPlaneConfig
 from nanoplane import settings
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.dataplane.config import DataPlaneConfig
 from nanoplane.settings import TUNING_VARIABLES, Tuning, read_tuning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def test_engine_config_takes_its_fields_and_defaults_from_settings():
 
 
 def test_llm_refuses_a_keyword_that_is_no_engine_option(tiny_models):
-    from controlplane import LLM
+    from nanoplane.controlplane import LLM
 
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(str(tiny_models["qwen3"]), max_num_seq=4)

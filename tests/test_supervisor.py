@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from controlplane.supervisor import DataPlaneSupervisor
+from nanoplane.controlplane.supervisor import DataPlaneSupervisor
 
 
 def exiting_with(code: int) -> list[str]:

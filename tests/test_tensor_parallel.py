@@ -7,7 +7,7 @@ import random
 import pytest
 from conftest import hf_greedy
 
-from controlplane import LLM, SamplingParams
+from nanoplane.controlplane import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama-tied"])

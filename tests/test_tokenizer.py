@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import make_tokenizer
 
-from controlplane import tokenizer as tokenizer_module
-from controlplane.tokenizer import Tokenizer
+from nanoplane.controlplane import tokenizer as tokenizer_module
+from nanoplane.controlplane.tokenizer import Tokenizer
 
 ALPHABET = list("abc xyz.,!\t") + ["é", "ß", "☃", "東", "🙂", "\n", "  "]
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataplane.uploader import ALIGN_BYTES, layout
+from nanoplane.dataplane.uploader import ALIGN_BYTES, layout
 
 
 @pytest.mark.parametrize("itemsize", [1, 4, 8])
@@ -28,7 +28,7 @@ def test_staging_packs_each_dtype_aligned_and_intact(monkeypatch):
     """The staging step the CUDA path copies from (run here on host buffers, without pinning)."""
     import torch
 
-    from dataplane.uploader import Uploader
+    from nanoplane.dataplane.uploader import Uploader
 
     up = Uploader(torch.device("cpu"))
     monkeypatch.setattr(up, "_buffer", lambda dtype, size: torch.from_numpy(np.zeros(max(size, 1), dtype=dtype)))

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import zmq
 
-from dataplane.model_runner import Launched
-from dataplane.worker import _StepLoop
-from proto import codec
-from proto.exit_codes import ExitCode
-from proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult, int32_column
+from nanoplane.dataplane.model_runner import Launched
+from nanoplane.dataplane.worker import _StepLoop
+from nanoplane.proto import codec
+from nanoplane.proto.exit_codes import ExitCode
+from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT, StepDescriptor, StepResult, int32_column
 
 EPOCH = 3
 
@@ -152,7 +152,7 @@ def test_two_steps_sent_ahead_are_launched_before_the_oldest_result_and_no_more(
 
 
 def test_pace_reads_the_control_planes_depth_off_the_traffic():
-    from dataplane.worker import _Pace
+    from nanoplane.dataplane.worker import _Pace
 
     pace = _Pace(rank=0, every=1000)
     for s in (0, 1, 2):  # a burst fills the pipeline: three descriptors before any result
@@ -205,7 +205,7 @@ def test_shutdown_and_malformed_messages():
 
 
 def test_pace_counts_turnaround_and_the_descriptors_the_gpu_waited_for(caplog):
-    from dataplane.worker import _Pace
+    from nanoplane.dataplane.worker import _Pace
 
     pace = _Pace(rank=0, every=4)
     # Steady pipeline: descriptor s + 1 arrives after result s - 1 went out, before result s.

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.fused import fused_kernels_enabled
+from nanoplane.models.layers.fused import fused_kernels_enabled
 
 
 class SiluAndMul(nn.Module):
@@ -16,7 +16,7 @@ class SiluAndMul(nn.Module):
         """`row_norm`: the post-attention norm's row scale, still to apply (kernels.silu_and_mul;
         only with the fused kernels)."""
         if fused_kernels_enabled() and x.dim() == 2:
-            import kernels
+            from nanoplane import kernels
 
             return kernels.silu_and_mul(x, row_norm=row_norm)
         if row_norm is not None:

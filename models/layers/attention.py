@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention_backend import get_backend
-from models.context import get_context
+from nanoplane.models.attention_backend import get_backend
+from nanoplane.models.context import get_context
 
 
 class Attention(nn.Module):
@@ -28,7 +28,7 @@ class Attention(nn.Module):
         """The fused path from the QKV projection's output [T, (Hq + 2 Hkv) * D]: q/k norm (when
         weights are given), rotary and the cache store in one kernel, then attention -> [T, Hq, D].
         `row_norm`: the input norm's row scale, still to apply (kernels.qkv_prologue)."""
-        import kernels
+        from nanoplane import kernels
 
         ctx = get_context()
         q = kernels.qkv_prologue(qkv, positions, cos_sin_cache, q_weight, k_weight, eps, ctx.slot_mapping,

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.parallel import all_reduce, tp_rank, tp_size
+from nanoplane.models.layers.parallel import all_reduce, tp_rank, tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers.fused import fused_kernels_enabled
-from models.layers.parallel import all_reduce, all_reduce_add_rms_norm
+from nanoplane.models.layers.fused import fused_kernels_enabled
+from nanoplane.models.layers.parallel import all_reduce, all_reduce_add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self._normed(x)
         if fused_kernels_enabled():
-            import kernels
+            from nanoplane import kernels
 
             shape = x.shape
             out, residual = kernels.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps,
@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         """norm(x) alone, in the fused kernel where enabled."""
         if fused_kernels_enabled():
-            import kernels
+            from nanoplane import kernels
 
             shape = x.shape
             return kernels.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)

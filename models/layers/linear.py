@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.fused import fused_kernels_enabled
-from models.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from nanoplane.models.layers.fused import fused_kernels_enabled
+from nanoplane.models.layers.parallel import all_reduce, divide, tp_rank, tp_size
 
 # Up to this many rows (a small- or mid-batch decode step) a linear layer mostly streams its weight,
 # which kernels.skinny_gemm does in one launch and under programmatic dependent launch, unlike cuBLAS.
@@ -37,7 +37,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T (+ bias) through the kernel the data plane picks for this many rows (the benchmarks
     time the same choice)."""
     if _skinny(x):
-        import kernels
+        from nanoplane import kernels
 
         return kernels.skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_add_(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out += x @ weight.T in the projection's own kernel, the sum rounded once."""
     if _skinny(x):
-        import kernels
+        from nanoplane import kernels
 
         return kernels.skinny_gemm(x, weight, out=out, accumulate=True)
     return out.addmm_(x, weight.t())

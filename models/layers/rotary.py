@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from models.layers.fused import fused_kernels_enabled
+from nanoplane.models.layers.fused import fused_kernels_enabled
 
 
 def inverse_frequencies(head_dim: int, base: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -40,7 +40,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if fused_kernels_enabled():
-            import kernels
+            from nanoplane import kernels
 
             return kernels.apply_rotary(q, k, positions, self.cos_sin_cache)  # in place
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
