@@ -3,9 +3,9 @@
     python -m benchmarks.alternate --variant k64: --variant k32:NANOPLANE_SKINNY_MAX_ROWS=32 --rounds 2
     python -m benchmarks.alternate --variant new: --variant old:@.ab/old -- --shape 8b
 
-Two one-H200 machines differ by ~1.5% on the same code, and runs within one call by ~0.2%, so a
-change worth less than a few percent shows only against the code before it, run by turns in the same
-call: A B A B, never A A B B (a call's first run is often its slowest).
+Two machines of one kind differ more on the same code than runs within one call do, so a change
+worth less than a few percent shows only against the code before it, run by turns in the same call:
+A B A B, never A A B B (a call's first run is often its slowest).
 
 A variant is NAME:SETTINGS. SETTINGS is empty (the tree as it is), comma-separated ENV=VALUE pairs
 set for its runs, or @DIR: the benchmark of another tree, e.g. `git archive <commit> | tar -x -C DIR`

@@ -110,8 +110,8 @@ class RemoteDataPlane:
         """The engine's steps in flight when its config leaves them open (read after `start`).
 
         Two for ranks on GPUs: a result's way back to the next descriptor crosses processes here (rank,
-        ZeroMQ, the engine process, ZeroMQ, the rank's own launch), and at a few rows that path outlasted
-        the GPU's step on some hosts (BENCHMARKS.md, "One served stream"). One for CPU ranks, which
+        ZeroMQ, the engine process, ZeroMQ, the rank's own launch), and at a few rows that path can
+        outlast the GPU's step. One for CPU ranks, which
         compute a step while launching it: a second step ahead would gain nothing and cost a wasted step
         after every stop."""
         a = self._attached

@@ -3,8 +3,7 @@ gRPC event loop's GIL. This module is the serving process's side; engine_process
 
 In one process the engine thread and the gRPC event loop take turns on one GIL. At 256 streams the
 loop's per-message work stretches the engine's path from a step's result to the next descriptor,
-and on a slower host that path can outgrow the GPU's step (BENCHMARKS.md: the service at 80-86% of
-the embedded engine in three runs where that turnaround was slow, 96-98% in others). So by default
+and on a slower host that path can outgrow the GPU's step, leaving the GPU idle. So by default
 (`NANOPLANE_ENGINE_PROCESS=0` turns it off) the scheduler, the block manager and the data plane's
 ZeroMQ socket run in a child process (an `EngineLoop` whose deliveries go to a socket instead of an
 event loop: `engine_process.py`); the serving process keeps the gRPC server, tokenizer and detokenizer.

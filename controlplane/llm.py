@@ -37,9 +37,9 @@ class LLM:
         data_plane = LocalDataPlane(DataPlaneConfig(**dataplane_fields(cfg)))
         self.engine = Engine(cfg, data_plane, self.tokenizer.eos_token_ids)
         atexit.register(self.close)
-        # Start-up left ~300k objects (torch, the model, Triton's kernels, CUDA graphs) that a full
-        # collection would walk, 200-280 ms on the H200 hosts, mid-run (BENCHMARKS.md): they go to the
-        # permanent generation while this LLM lives, and back at close().
+        # Start-up leaves hundreds of thousands of objects (torch, the model, Triton's kernels, CUDA
+        # graphs) that a full collection would walk mid-run, stalling a step: they go to the permanent
+        # generation while this LLM lives, and back at close().
         gc.collect()
         gc.freeze()
 
@@ -63,8 +63,8 @@ class LLM:
 
         One bad prompt raises ValueError ("prompt i: ...") and the call leaves no request behind. With
         a step kept in flight, prompts are checked and queued a step's worth ahead of the scheduler
-        (each group checked whole before any of it is queued), so the first step starts after ~30
-        prompts' host work, not 256 prompts' (BENCHMARKS.md). Without prefix-cache hits (which take no
+        (each group checked whole before any of it is queued), so the first step starts after one
+        step's worth of prompts' host work, not all of theirs. Without prefix-cache hits (which take no
         budget) every step is the one it would be with all of them queued at once.
         """
         if sampling_params is None:

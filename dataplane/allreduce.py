@@ -1,18 +1,16 @@
 """A one-shot all-reduce through peer GPU memory, for the small sums of decode steps.
 
-Each decoder layer sums its row-parallel outputs over the ranks twice. At decode sizes (1.6 MB for
-200 rows of Qwen3-8B) NCCL's ring took 17 us a call on two H200s linked by NVLink, 14% of a
-full-batch step's GPU time (BENCHMARKS.md, 8B TP=2 profile). A one-shot all-reduce instead puts
+Each decoder layer sums its row-parallel outputs over the ranks twice. At decode sizes (a few MB at
+most) NCCL's ring steps cost far more than the bytes, a large share of a decode step's GPU time under
+tensor parallelism. A one-shot all-reduce instead puts
 every rank's input where every rank can reach it (buffers in torch symmetric memory, which each GPU
 addresses over NVLink), meets the other ranks at a device-side barrier and has each rank add all the
 parts itself: one kernel, no ring steps, capturable in a CUDA graph. Larger tensors (prefill) stay
 with NCCL.
 
 Two kernels: `NANOPLANE_ALLREDUCE=triton`, the default, is kernels/one_shot_all_reduce.py (a program
-per SM, NVLink writes, one meet a call: 12.1 us for 2 MiB against torch's 22 and NCCL's 31; 6.6% more
-tokens/s for Qwen3-8B on two H200s than NCCL in alternated runs when it still read the peers and met
-them twice, BENCHMARKS.md, and about 2% more since); `symm_mem` is torch's (at most 24 blocks, 2% more
-than NCCL); `nccl` turns both off. When the buffers cannot be set up on
+per SM, NVLink writes, one meet a call); `symm_mem` is torch's (at most 24 blocks, reads the peers
+and meets them twice); `nccl` turns both off. When the buffers cannot be set up on
 every rank, every rank uses NCCL (set_up_everywhere); a rank that dies inside the rendezvous itself
 leaves its peer waiting there, which the control plane's start timeout and heartbeats end.
 Neither uses NVLink multicast (the multimem operations): torch's reads peers with plain loads, the
@@ -33,9 +31,8 @@ from nanoplane.settings import Tuning
 
 log = logging.getLogger(__name__)
 
-# Measured on two NV18-linked H200s (`benchmarks/allreduce.py`, BENCHMARKS.md): in a CUDA graph the
-# one-shot kernel beats NCCL up to 2 MiB (21 vs 31 us), ties at 4 MiB and loses at 8 MiB (62 vs 49).
-# Decode sums are at most max_num_seqs x hidden x 2 bytes (256 x 4096 x 2 = 2 MiB for Qwen3-8B).
+# The one-shot kernel beats NCCL on small tensors only (`python -m benchmarks.allreduce` finds the
+# crossover); decode sums are at most max_num_seqs x hidden x 2 bytes (2 MiB for Qwen3-8B at 256 rows).
 DEFAULT_MAX_BYTES = 2 << 20
 # The process group of this process's first symmetric-memory rendezvous (SymmMemAllReduce.__init__
 # says why a later group may not have one).
@@ -52,9 +49,8 @@ class SymmMemAllReduce:
         """`meet=False` allocates only; `meet()` then exchanges the buffers with the other ranks."""
         group = group or dist.group.WORLD
         if _first_group[0] is not None and _first_group[0] is not group:
-            # Seen on two H200s: a second engine with a one-shot all-reduce in one (pytest) process, on
-            # a new process group of the same name, never finished its first request; several
-            # buffers on one group work. NCCL is the safe answer for that rare case.
+            # A second engine in one process (tests), on a new process group of the same name, hangs on
+            # its first request; several buffers on one group work. NCCL is the safe answer for that case.
             raise RuntimeError("symmetric memory was set up in this process before, for another process group")
         # The one-shot kernel needs no multicast object; make sure none is created (on shared hosts
         # multicast can take the GPUs out of service).

@@ -2,7 +2,7 @@
 
 A decode step at a few rows is bound by fixed costs: a few hundred small kernels, and on the host
 the uploads and small torch calls around them. So a bucket's graph holds as much of the step as
-has a fixed shape (BENCHMARKS.md, step anatomy):
+has a fixed shape:
 
 - the model graph: the input tokens gathered from the token buffer, the model, and on a single
   rank the LM head, so its output is the logits;
@@ -15,9 +15,9 @@ Inputs land in static buffers with one host-to-device copy per dtype, laid out p
 each copy is contiguous. Padding rows read the token buffer's spare row, write the spare column,
 store no KV (slot -1) and attend to nothing (context length 0).
 
-The edges into cuBLAS's GEMMs stay full ones. Made programmatic after capture, they would let each
-GEMM's grid launch while its producer drains (measured 1.9-2.6% faster), but cuBLAS's kernels then
-read their input before it is written: they do not wait (benchmarks/graph_edges.py; BENCHMARKS.md).
+The edges into cuBLAS's GEMMs stay full ones: made programmatic after capture, they would let each
+GEMM's grid launch while its producer drains, but cuBLAS's kernels do not wait, so they would read
+their input before it is written.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT
 # Each array starts at a multiple of this many bytes. Triton compiles a kernel once per pattern of its
 # pointer arguments' 16-byte alignment: packed back to back, an odd number of int64s would leave the
 # next array misaligned, and a kernel launched outside CUDA graphs (the sampler under tensor
-# parallelism) would compile a new variant mid-run, when a batch first has such a size. That is the
-# likeliest cause of the 875 ms step at 4 rows of a TP=2 run with a cold Triton cache (BENCHMARKS.md).
+# parallelism) would compile a new variant mid-run, a step of hundreds of milliseconds, when a batch
+# first has such a size.
 ALIGN_BYTES = 16
 
 
@@ -84,7 +84,7 @@ class Uploader:
         return groups
 
     def _record(self) -> None:
-        # One event a turn, recorded again each time round: a fresh one adds ~2 us to a ~9 us record (BENCHMARKS.md).
+        # One event a turn, recorded again each time round: creating a fresh one costs more than the record.
         event = self.done[self.turn]
         if event is None:
             event = self.done[self.turn] = torch.cuda.Event()

@@ -13,7 +13,7 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.0-base-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 # PyPI's Linux x86-64 torch wheel is the CUDA build: 2.11.0 is built for CUDA 13.0 and pins
-# triton 3.6.0, the pair the GPU figures in BENCHMARKS.md were measured with.
+# triton 3.6.0, a pair the GPU tests and kernels run on.
 ARG TORCH_VERSION=2.11.0
 
 ENV DEBIAN_FRONTEND=noninteractive \

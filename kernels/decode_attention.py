@@ -14,34 +14,22 @@ import triton.language as tl
 
 from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 
-# Launch parameters (`benchmarks/kernels.py --only decode_sweep` times the alternatives). block_n:
-# tokens per inner-loop tile, independent of the cache's block size (each token's page is looked up
-# on its own, so a tile may straddle pages or cover part of one). heads_fastest: the grid's fastest
-# axis is the KV head, so the programs that run side by side read neighbouring 256-byte pieces of
-# the same tokens' cache rows instead of one piece of many scattered rows. On an H200 (BENCHMARKS.md)
-# a third pipeline stage took batch 256 x context 1024 from 265 to 249 us and batch 64 from 76 to
-# 66 us; the KV-head-fastest grid took batch 256 on to 244 us (4.40 TB/s, above what torch.sum reads).
+# Launch parameters (`python -m benchmarks.kernel_speed --only decode_sweep` times the alternatives).
+# block_n: tokens per inner-loop tile, independent of the cache's block size (each token's page is
+# looked up on its own, so a tile may straddle pages). heads_fastest: the grid's fastest axis is the KV
+# head, so programs running side by side read neighbouring pieces of the same tokens' cache rows.
 TUNING = dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True)
-# A given `seq_order` (longest context first) is followed only from this many waves of programs over
-# the SMs: with many it keeps a long row from running alone at the end of the launch (H200, the
-# throughput bench's context mix, `benchmarks/kernels.py --only decode_mixed`: 2-10% faster at 4.7 to
-# 15.5 waves), with few it crowded the long rows together (3.6 and 3.9 waves: 9-10% slower, fifth
-# session). With today's kernel the few-wave cases are mixed (with the order, launches at 7-59 rows
-# took 10% less to 5.5% more time) and the whole run is the same with the order always
-# (BENCHMARKS.md, sixteenth session), so the bound stays.
-# `configure` moves the threshold (0: always; NANOPLANE_DECODE_ORDER_WAVES).
+# `seq_order` (longest context first) is followed only from this many waves of programs over the SMs:
+# with many it keeps a long row from running alone at the end of the launch, with few it crowds the
+# long rows together. `configure` moves it (0: always; NANOPLANE_DECODE_ORDER_WAVES).
 ORDER_MIN_WAVES = 4.0
 # Between two and this many waves of one-split programs, two splits: halving every row's work halves
-# the uneven end of the launch, which with few waves outweighs the second kernel. H200, the bench's
-# context mix, since the page-table entry is read a tile ahead: two splits 3% faster at 77 rows,
-# level at 88 and 111, 3% slower at 101 (BENCHMARKS.md, sixteenth session; the bound was 7 waves,
-# 115 rows, before). `configure` moves the bound (0: off; NANOPLANE_DECODE_TWO_SPLIT_WAVES).
+# the uneven end of the launch, which with few waves outweighs the second kernel. `configure` moves
+# it (0: off; NANOPLANE_DECODE_TWO_SPLIT_WAVES).
 TWO_SPLIT_WAVES = 5.5
-# With programmatic dependent launch, a program loads its row's context length and first page-table
-# entry (and its place in `seq_order`) before it waits for the QKV prologue: none of these is written
-# during the step, and their chain of dependent loads then overlaps the prologue instead of delaying
-# the first K/V tile. H200, seventeenth session (BENCHMARKS.md): the whole run 28,103 / 28,002 against
-# 27,840 / 27,899 tok/s alternated in one call (+0.6%). `configure(early_setup=False)` waits first.
+# With programmatic dependent launch, a program loads its row's context length, first page-table entry
+# and place in `seq_order` before it waits for the QKV prologue: none is written during the step, so
+# their dependent loads overlap the prologue. `configure(early_setup=False)` waits first.
 EARLY_SETUP = True
 
 
@@ -80,9 +68,7 @@ def _attend(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Tiles start on multiples of BLOCK_N (so does every split), so where BLOCK_N divides the page
     # size a tile lies within one page: one table entry a tile instead of one a token, read a tile
-    # ahead, so that a tile's K/V addresses wait on no load of their own. On an H200 the whole
-    # throughput run gained 1.2% from the scalar entry and 0.8% more from reading it ahead
-    # (BENCHMARKS.md, "One page-table entry a tile").
+    # ahead, so that a tile's K/V addresses wait on no load of their own.
     ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
     if ONE_PAGE:
         next_page = tl.load(table + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)

@@ -3,16 +3,14 @@ it in the stream still runs, and waits on the device (`griddepcontrol.wait`) for
 
 A decode step at a few rows is ~300 small kernels in a CUDA graph, each a few microseconds, and
 the gap between two dependent kernels (grid launch, CTAs rasterised onto SMs) is a large share of
-each (BENCHMARKS.md: one row's graph ran 0.94 ms against a 0.31 ms weight-read floor). With PDL
-that gap overlaps the previous kernel's tail.
+each. With PDL that gap overlaps the previous kernel's tail.
 
 The contract every kernel launched with `pdl_args` keeps: `pdl_prologue()` first, before any
 global memory read or write. Its wait returns once the previous grid has completed and its writes
 are visible, so a kernel never reads an unfinished result, nor overwrites a buffer its predecessor
 still reads; completion is transitive (the predecessor itself waited on its own). Kernels launched
 without PDL (cuBLAS, torch ops) keep the stream's usual full ordering. They must: cuBLAS's GEMMs
-do not wait, and on an edge made programmatic they read their input before it is written
-(benchmarks/graph_edges.py).
+do not wait, and on an edge made programmatic they read their input before it is written.
 
 One exception, by the same transitivity: a kernel's programs start only once every program of its
 predecessor has passed its own wait, so everything queued before the predecessor has completed. A

@@ -16,12 +16,10 @@ import triton.language as tl
 from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 
 # block_m: query rows (tokens x heads of a group) per program; block_n: keys per inner-loop tile,
-# independent of the cache's block size. `benchmarks/kernels.py --only prefill_sweep` (BENCHMARKS.md,
-# "Kernels") chose them on an H200: short prompts waste least on diagonal tiles with 32 keys a tile
-# and 32 tokens a program (0.6B's GQA 2; with the 8B's GQA 4, 16 tokens: as fast as 128 rows);
-# from LONG_MIN_QUERY query tokens a sequence, 128 x 128 tiles pay (11% on one 16k-token prompt). The
-# long tiles need 224 KB of shared memory at head dim 128 in 16-bit types, so wider heads or fp32 keep
-# the short ones.
+# independent of the cache's block size (`python -m benchmarks.kernel_speed --only prefill_sweep` times
+# the alternatives). Short prompts waste least on diagonal tiles with small tiles; from LONG_MIN_QUERY
+# query tokens a sequence, 128 x 128 tiles pay. The long tiles need 224 KB of shared memory at head
+# dim 128 in 16-bit types, so wider heads or fp32 keep the short ones.
 TUNING = dict(block_m=64, block_n=32, num_warps=4, num_stages=2)
 LONG_TUNING = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 LONG_MIN_QUERY = 2048

@@ -3,8 +3,8 @@ draw from softmax(logits / T), by Gumbel-max taken a group of columns at a time.
 
 Gumbel-max draws argmax(logits + T * g) with g = -log(-log(u)) standard Gumbel noise, u uniform:
 an exact draw from softmax(logits / T) with no softmax, division or fp32 copy of the logits. Noise
-for every one of 151,936 columns is Philox and two logs a column, which made that integer work,
-not the read of the logits, bound the kernel (91 us at 256 rows against an 18 us read). Gumbel
+for every one of 151,936 columns is Philox and two logs a column, which makes that integer work,
+not the read of the logits, bound the kernel, several times the read's time. Gumbel
 noise is max-stable, which allows the same draw with a noise per group of columns instead: over a
 group G, max_{i in G}(x_i + T g_i) is distributed as T * logsumexp(x_G / T) + T g_G, and which
 column reaches that maximum is independent of its value, distributed as softmax(x_G / T). So:
@@ -230,7 +230,7 @@ def _launch(logits, lo, hi, temperature, seeds, offsets, block, num_splits, part
     num_groups = triton.cdiv(hi, GROUP) - first
     sms = _sm_count(logits.device)
     # Sixteen programs an SM, 4,096 columns a tile at most: enough bytes in flight for the read to
-    # approach the bandwidth (benchmarks/kernels.py --only sample; four an SM left it at ~60%).
+    # approach the bandwidth (`python -m benchmarks.kernel_speed --only sample` times it).
     programs = 16 * sms if logits.is_cuda else 1  # the interpreter runs one program at a time
     tile = (block or 4096) // GROUP
     tile = min(tile, triton.next_power_of_2(num_groups))

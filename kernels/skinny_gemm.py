@@ -1,9 +1,9 @@
 """y = x @ weight^T (+ bias) for a few rows of x: the linear layers of a small-batch decode step.
 
-At a decode step's M <= 64 a linear layer is mostly a weight-streaming problem: the ~2-12 MB of a
-Qwen3-0.6B weight must cross HBM once, the flops are minor (64 rows are ~64 flops a weight byte,
-below the H200's ~160 balance point). cuBLAS picks tensor-core GEMM tiles (and split-K with a
-separate reduce kernel) that cost ~3x the bytes' time at these shapes. Here each program owns
+At a decode step's M <= 64 a linear layer is mostly a weight-streaming problem: the weight must
+cross HBM once, the flops are minor (64 rows are ~64 flops a weight byte, well below a Hopper GPU's
+balance point). cuBLAS picks tensor-core GEMM tiles (and split-K with a separate reduce kernel) that
+spend far more than the bytes' time at these shapes. Here each program owns
 BLOCK_N output features and loops over all of K, so every weight byte is read by exactly one
 program, there is no workspace, no second kernel and no atomics: one launch, deterministic,
 capturable in a CUDA graph (the output is the only allocation).
@@ -11,31 +11,27 @@ capturable in a CUDA graph (the output is the only allocation).
 Two inner products, chosen per call:
 - broadcast-multiply-and-sum (M <= _FMA_MAX_M): acc[m, n] += sum_k x[m, k] * w[n, k] on the CUDA
   cores. No padding of M, so BLOCK_N can go down to 4: N=1024 still yields 256 programs, two per
-  SM of an H200, which is what pulls bandwidth from all 132 SMs (tl.dot needs BLOCK_N >= 16, i.e.
+  SM of a 132-SM GPU, which is what pulls bandwidth from every SM (tl.dot needs BLOCK_N >= 16, i.e.
   64 programs). Its cost grows with M (M FMAs per weight element, a BLOCK_M x BLOCK_N x BLOCK_K
   accumulator in registers, so BLOCK_K shrinks as M grows), hence the threshold.
 - tl.dot (larger M): x's rows padded to 16, 32 or 64 with masked loads (padding costs no memory
   traffic) on the tensor cores, which have flops to spare at any M here. With programmatic
   dependent launch (kernels/pdl.py) this path also keeps 5-64-row steps in one chain of Triton
-  kernels, which cuBLAS would break (BENCHMARKS.md: 5-7% off the decode graph at 8-64 rows).
+  kernels, which cuBLAS would break (its GEMMs do not wait on a programmatic edge).
 
-No split over K: reducing the partial sums inside the same launch takes a semaphore (the last
-program of an N tile to arrive adds the others' partials), i.e. a workspace and counters that must
-persist, zeroed, between launches and graph replays. It was built and measured (7d50cb7, reverted;
-BENCHMARKS.md): 6-9% off a layer's four projections at 16-64 rows in isolation, nothing off the
-whole benchmark. The FMA path gets its parallelism from a small BLOCK_N instead; the tensor-core
-path has 64 programs at N=1024 (BLOCK_N=16).
+No split over K: reducing the partial sums inside the same launch takes a semaphore, i.e. a
+workspace and counters that must persist, zeroed, between launches and graph replays, for no gain
+in a whole decode step. The FMA path gets its parallelism from a small BLOCK_N instead; the
+tensor-core path has 64 programs at N=1024 (BLOCK_N=16).
 
-The tiles below are tuned on Qwen3-0.6B's layers. For Qwen3-8B's (16 MB and more a rank), a sweep
-(`benchmarks/kernels.py --only skinny_sweep --gemm-shapes 8b-tp2`) found tensor-core tiles of 32
-features from 2 rows, and 16-feature CUDA-core tiles at one row, 14-28% faster a layer in isolation
-at 1-32 rows. In the whole 8B decode step they gained nothing at TP=2 and lost 1-2% at 16-64 rows
-at TP=1 (BENCHMARKS.md, tenth session), so they are not used.
+The tiles below are tuned on Qwen3-0.6B's layers; tiles tuned for Qwen3-8B's were faster a layer in
+isolation but not in a whole 8B decode step, so one set serves both.
 
 No autotune (a first call inside CUDA-graph capture would benchmark there): the launcher picks
-tiles from the shape, `_config` documents how, and keyword overrides let benchmarks/kernels.py
-sweep alternatives. The loop is software-pipelined (`tl.range(num_stages=...)` also pipelines
-loads that feed no tl.dot), so each program keeps NUM_STAGES - 1 weight tiles in flight.
+tiles from the shape, `_config` documents how, and keyword overrides let benchmarks/gemm.py sweep
+alternatives (`python -m benchmarks.kernel_speed --only skinny_sweep`). The loop is software-pipelined
+(`tl.range(num_stages=...)` also pipelines loads that feed no tl.dot), so each program keeps
+NUM_STAGES - 1 weight tiles in flight.
 """
 
 import functools
@@ -49,16 +45,15 @@ from nanoplane.kernels.pdl import pdl_args, pdl_prologue
 # Rows one tensor-core program covers: with programmatic dependent launch a decode step of up to
 # 64 rows runs its linear layers here rather than in cuBLAS (NANOPLANE_SKINNY_MAX_ROWS).
 _DOT_MAX_BLOCK_M = 64
-# Rows up to which the CUDA-core path is the default. The H200 sweep (`benchmarks/kernels.py --only
-# skinny_sweep`, 7d50cb7, BENCHMARKS.md) found it fastest at 4 rows for the 1024-feature outputs
-# (o_proj 3.7 vs 5.8 us) but slower for the wide ones (qkv 6.8 vs 4.4 us with BLOCK_N=32).
+# Rows up to which the CUDA-core path is the default: beyond a few rows its M FMAs per weight element
+# cost more than the tensor cores' padding (`python -m benchmarks.kernel_speed --only skinny_sweep`).
 _FMA_MAX_M = 4
 # Fewer programs than this per SM leaves bandwidth unused at these sizes (~2-12 MB per launch).
 _PROGRAMS_PER_SM = 2
 # fp32 elements of the FMA path's accumulator tile BLOCK_M x BLOCK_N x BLOCK_K (64 registers a
 # thread at 4 warps).
 _FMA_ACC = 8192
-# Shared memory one program may spend on its pipeline stages (an H200 SM has 227 KB).
+# Shared memory one program may spend on its pipeline stages (a Hopper SM has 227 KB).
 _SMEM_BUDGET = 128 * 1024
 
 
