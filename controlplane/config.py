@@ -29,6 +29,7 @@ class EngineConfig:
     # Steps sent ahead of the result the engine waits for (proto.plane.MAX_STEPS_IN_FLIGHT at most);
     # 0: the data plane's own choice (2 for GPU ranks over ZeroMQ, else 1: BENCHMARKS.md, "One served stream").
     steps_in_flight: int = 0
+    scheduling_policy: str = "prefill-first"  # "prefill-first" (the seeds') or "mixed" (controlplane/scheduler.py)
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class EngineConfig:
         if not 0 <= self.steps_in_flight <= MAX_STEPS_IN_FLIGHT:
             raise ValueError(f"steps_in_flight must be 0 (the data plane's choice) to {MAX_STEPS_IN_FLIGHT}, "
                              f"got {self.steps_in_flight}")
+        if self.scheduling_policy not in ("prefill-first", "mixed"):
+            raise ValueError(f"scheduling_policy must be prefill-first or mixed, got {self.scheduling_policy!r}")
         if self.attention_backend not in ("auto", "torch", "triton", "flash-attn"):
             raise ValueError("attention_backend must be auto, torch, triton or flash-attn, "
                              f"got {self.attention_backend!r}")

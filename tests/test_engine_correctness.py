@@ -1,5 +1,6 @@
 """Greedy tokens of the engine equal HuggingFace transformers' (float32, CPU), token for token,
-through chunked prefill, prefix-cache hits and preemption."""
+through chunked prefill, prefix-cache hits and preemption, under both scheduling policies (a mixed
+step runs decode rows and prompt chunks in one eager forward)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from controlplane import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [1, 2, 15, 16, 17, 63, 130, 300]
+POLICIES = ["prefill-first", "mixed"]
 
 
 def random_prompts(lengths: list[int], seed: int, vocab: int = 380) -> list[list[int]]:
@@ -20,30 +22,35 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 380) -> list[list
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name,backend", [(name, "torch") for name in TINY] + [("qwen3", "triton"),
                                                                                ("llama-mqa", "triton")])
-def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, backend):
+def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, backend, policy):
     """backend "triton" runs our kernels (attention, the fused QKV prologue and SiLU, the layers' norms folded into
-    the projections after them: models/norm_fold.py) in Triton's interpreter."""
+    the projections after them: models/norm_fold.py) in Triton's interpreter; its mixed steps run the paged
+    prefill kernel with decode rows as 1-token queries."""
     path = tiny_models[name]
     prompts = random_prompts(LENGTHS, seed=len(name))
-    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend)
+    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend,
+              scheduling_policy=policy)
     try:
         assert llm.engine.data_plane.runner.model.model.folded == (backend == "triton")
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_chunked_prefills > 0  # 130 and 300 do not fit a 64-token step
+        assert (llm.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
     finally:
         llm.close()
     for prompt, out in zip(prompts, outs, strict=True):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
 
 
-def test_prefix_cache_hits_keep_outputs_exact(tiny_models):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prefix_cache_hits_keep_outputs_exact(tiny_models, policy):
     path = tiny_models["qwen3"]
     rng = random.Random(7)
     shared = [rng.randrange(1, 380) for _ in range(50)]  # three full blocks of 16 and a partial one
     prompts = [shared + [rng.randrange(1, 380) for _ in range(n)] for n in (1, 9, 30)]
-    llm = LLM(str(path), device="cpu", kvcache_block_size=16)
+    llm = LLM(str(path), device="cpu", kvcache_block_size=16, scheduling_policy=policy)
     try:
         first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         hits_before = llm.engine.scheduler.block_manager.num_cache_hits
@@ -60,7 +67,8 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny_models):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
-def test_preemption_gives_the_unpressured_outputs(tiny_models):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_gives_the_unpressured_outputs(tiny_models, policy):
     path = tiny_models["llama-tied"]
     prompts = random_prompts([20, 35, 5, 28, 40, 12], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -71,7 +79,7 @@ def test_preemption_gives_the_unpressured_outputs(tiny_models):
     finally:
         roomy.close()
     # 8 blocks of 16 tokens hold 128 tokens; the six requests need 300 together.
-    tight = LLM(str(path), device="cpu", kvcache_block_size=16, num_kvcache_blocks=8)
+    tight = LLM(str(path), device="cpu", kvcache_block_size=16, num_kvcache_blocks=8, scheduling_policy=policy)
     try:
         got = tight.generate(prompts, params, use_tqdm=False)
         assert tight.engine.scheduler.num_preemptions > 0
