@@ -29,12 +29,23 @@ def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, bac
     """backend "triton" runs our kernels (attention, the fused QKV prologue and SiLU, the layers' norms folded into
     the projections after them: models/norm_fold.py) in Triton's interpreter; its mixed steps run the paged
     prefill kernel with decode rows as 1-token queries."""
-    path = tiny_models[name]
-    prompts = random_prompts(LENGTHS, seed=len(name))
+    check_chunked_prefill(tiny_models[name], backend, policy)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_steps_with_two_steps_in_flight(tiny_models, backend):
+    """Step s+2 is scheduled and sent before step s's result: a decode row's input is the token the
+    data plane sampled for it, never one the control plane has seen."""
+    check_chunked_prefill(tiny_models["qwen3"], backend, "mixed", steps_in_flight=2)
+
+
+def check_chunked_prefill(path, backend: str, policy: str, steps_in_flight: int = 0) -> None:
+    prompts = random_prompts(LENGTHS, seed=len(path.name))
     llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend,
-              scheduling_policy=policy)
+              scheduling_policy=policy, steps_in_flight=steps_in_flight)
     try:
         assert llm.engine.data_plane.runner.model.model.folded == (backend == "triton")
+        assert llm.engine.steps_in_flight == (steps_in_flight or 1)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_chunked_prefills > 0  # 130 and 300 do not fit a 64-token step
         assert (llm.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
@@ -44,7 +55,6 @@ def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, bac
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("policy", POLICIES)
 def test_prefix_cache_hits_keep_outputs_exact(tiny_models, policy):
     path = tiny_models["qwen3"]
     rng = random.Random(7)
@@ -83,6 +93,7 @@ def test_preemption_gives_the_unpressured_outputs(tiny_models, policy):
     try:
         got = tight.generate(prompts, params, use_tqdm=False)
         assert tight.engine.scheduler.num_preemptions > 0
+        assert (tight.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
         bm = tight.engine.scheduler.block_manager
         assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8
     finally:
