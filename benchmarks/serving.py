@@ -275,7 +275,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", choices=["0.6b", "8b"], default="0.6b", help="random Qwen3 weights of this shape")
     p.add_argument("--toy", action="store_true",
                    help="a tiny generated model on the CPU; lengths x 1/32, 4 streams, 4 system prompts")
-    p.add_argument("--scheduling-policy", default="", help="passed to `nanoplane serve` (prefill-first or mixed)")
+    p.add_argument("--scheduling-policy", choices=["prefill-first", "mixed"], default="",
+                   help="passed to `nanoplane serve` (default: the server's own)")
     p.add_argument("--serve-arg", action="append", default=[], help="another `nanoplane serve` flag (repeatable)")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--rates", default="", help="comma-separated requests/s (default: doubling to saturation)")
