@@ -6,7 +6,7 @@ nothing to prefill, a decode step over the running requests. `mixed` (as vLLM an
 step decodes the running requests and fills the rest of the token budget with waiting prompts, the
 last of them chunked, so running streams keep producing while a long prompt prefills. Under both,
 when the KV cache is full the newest running request is preempted (its blocks freed, to be
-recomputed later) and goes back to the front of the queue.
+recomputed later) and goes back to the front of the queue (behind a prompt mid-prefill, if any).
 """
 
 from __future__ import annotations
@@ -218,7 +218,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self._release_slot(seq)
-        self.waiting.appendleft(seq)
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and head.block_table:
+            # A prompt mid-prefill (mixed steps preempt beside one) keeps the head: behind seq it would
+            # hold its blocks while seq waits for them.
+            self.waiting.popleft()
+            self.waiting.appendleft(seq)
+            self.waiting.appendleft(head)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End seq wherever it is (running, waiting, mid-prefill) and free what it holds."""

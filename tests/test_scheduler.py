@@ -295,6 +295,21 @@ def test_mixed_policy_gives_the_same_outputs_within_the_budget(model_dir, depth,
         assert preemptions > 0
 
 
+def test_mixed_preemption_leaves_a_prompt_mid_prefill_at_the_head(model_dir):
+    # 6 blocks of 16. Step 0: a's 15 tokens and 5 of b's 80 (b takes the other 5 blocks); step 1: a
+    # decodes beside b's next chunk; step 2: a needs a second block and is preempted. Put in front of
+    # b, it could never come back (it needs 2 blocks, 1 is free) and b, holding the rest, never finishes.
+    engine, dp = make_engine(model_dir, num_blocks=6, max_num_batched_tokens=20, scheduling_policy="mixed")
+    a = engine.add_request(list(range(1, 16)), SamplingParams(max_tokens=30, ignore_eos=True))
+    b = engine.add_request([(3 * i) % 90 + 5 for i in range(80)], SamplingParams(max_tokens=3, ignore_eos=True))
+    run(engine)
+    assert engine.scheduler.num_preemptions >= 1
+    assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
+    assert len(a.completion_token_ids) == 30 and len(b.completion_token_ids) == 3
+    assert [d.num_scheduled.tolist() for d in dp.descriptors[:2]] == [[15, 5], [1, 19]]
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_unknown_scheduling_policy_is_refused(model_dir):
     with pytest.raises(ValueError, match="scheduling_policy must be"):
         EngineConfig(model_dir, scheduling_policy="decode-first")
