@@ -55,12 +55,14 @@ def check_chunked_prefill(path, backend: str, policy: str, steps_in_flight: int 
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 def test_prefix_cache_hits_keep_outputs_exact(tiny_models, policy):
     path = tiny_models["qwen3"]
     rng = random.Random(7)
     shared = [rng.randrange(1, 380) for _ in range(50)]  # three full blocks of 16 and a partial one
     prompts = [shared + [rng.randrange(1, 380) for _ in range(n)] for n in (1, 9, 30)]
-    llm = LLM(str(path), device="cpu", kvcache_block_size=16, scheduling_policy=policy)
+    # A 16-token budget chunks what the cache leaves to compute, beside decode rows under `mixed`.
+    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=16, scheduling_policy=policy)
     try:
         first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         hits_before = llm.engine.scheduler.block_manager.num_cache_hits
@@ -71,6 +73,7 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny_models, policy):
         # the same prompt again hits its own blocks, all but the block holding its last token
         again = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
         assert again == rest[1:]
+        assert (llm.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
     finally:
         llm.close()
     for prompt, out in zip(prompts, first + rest, strict=True):
