@@ -31,6 +31,7 @@ class EngineConfig:
     attention_backend: str = engine_default("attention_backend")
     seed: int = engine_default("seed")
     steps_in_flight: int = engine_default("steps_in_flight")
+    scheduling_policy: str = engine_default("scheduling_policy")
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
 
     def __post_init__(self) -> None:
@@ -67,6 +68,9 @@ class EngineConfig:
         backends = BY_NAME["attention_backend"].choices
         if self.attention_backend not in backends:
             raise ValueError(f"attention_backend must be {' or '.join(backends)}, got {self.attention_backend!r}")
+        policies = BY_NAME["scheduling_policy"].choices
+        if self.scheduling_policy not in policies:
+            raise ValueError(f"scheduling_policy must be {' or '.join(policies)}, got {self.scheduling_policy!r}")
 
     @property
     def architecture(self) -> str:

@@ -95,7 +95,7 @@ class Engine:
         self.block_size = info.block_size
         self.max_model_len = min(config.max_model_len, info.max_model_len)
         self.scheduler = Scheduler(self.num_kv_blocks, self.block_size, min(config.max_num_seqs, info.max_num_seqs),
-                                   config.max_num_batched_tokens, eos_token_ids)
+                                   config.max_num_batched_tokens, eos_token_ids, config.scheduling_policy)
         self.step_id = 0
         self.epoch = info.epoch
         self.seqs: dict[int, Sequence] = {}

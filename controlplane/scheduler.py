@@ -1,9 +1,12 @@
 """Which requests run in the next step, and how many tokens each computes.
 
-The seeds' semantics (nano-vllm): waiting requests first, as a prefill step; when the token budget
-runs out, only the head of the queue may be split (chunked prefill); with nothing to prefill, a
-decode step over the running requests; when the KV cache is full, the newest running request is
-preempted (its blocks freed, to be recomputed later) and goes back to the front of the queue.
+Two policies. `prefill-first`, the seeds' semantics (nano-vllm): waiting requests first, as a prefill
+step; when the token budget runs out, only the head of the queue may be split (chunked prefill); with
+nothing to prefill, a decode step over the running requests. `mixed` (as vLLM and SGLang do): every
+step decodes the running requests and fills the rest of the token budget with waiting prompts, the
+last of them chunked, so running streams keep producing while a long prompt prefills. Under both,
+when the KV cache is full the newest running request is preempted (its blocks freed, to be
+recomputed later) and goes back to the front of the queue (behind a prompt mid-prefill, if any).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from dataclasses import dataclass, field
 from nanoplane.controlplane.block_manager import BlockManager
 from nanoplane.controlplane.sequence import FinishReason, Sequence, SequenceStatus
 
+SCHEDULING_POLICIES = ("prefill-first", "mixed")
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    seqs: list[Sequence]  # rows of the step, in order
-    is_prefill: bool
+    seqs: list[Sequence]  # rows of the step, in order (a mixed step: decode rows first)
+    is_prefill: bool  # some row computes prompt tokens (a mixed step with any prompt chunk counts)
     new_seqs: list[Sequence] = field(default_factory=list)  # admitted to a slot this step
     freed_slots: list[int] = field(default_factory=list)  # slots released since the last step
     produces: list[bool] = field(default_factory=list)  # per row: the step samples this row's next token
@@ -94,7 +99,10 @@ class WaitQueue:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), policy: str = "prefill-first"):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -105,6 +113,7 @@ class Scheduler:
         self.released_slots: list[int] = []
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # steps that cut a prompt short, for tests and metrics
+        self.num_mixed_steps = 0  # steps with decode rows and prompt chunks together, likewise
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -113,16 +122,29 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        out = self._schedule_prefill()
-        if not out.seqs:
-            out = self._schedule_decode()
+        if self.policy == "mixed":
+            out = self._schedule_mixed()
+        else:
+            out = self._schedule_prefill(SchedulerOutput([], True), self.max_num_batched_tokens)
+            if not out.seqs:
+                out = self._schedule_decode(self.max_num_seqs)
         if out.seqs:  # freed slots ride on the next descriptor actually sent
             out.freed_slots, self.released_slots = self.released_slots, []
         return out
 
-    def _schedule_prefill(self) -> SchedulerOutput:
-        out = SchedulerOutput([], True)
-        budget = self.max_num_batched_tokens
+    def _schedule_mixed(self) -> SchedulerOutput:
+        """Decode rows first (one token each), then waiting prompts in the budget they leave."""
+        out = self._schedule_decode(min(self.max_num_seqs, self.max_num_batched_tokens))
+        num_decode = len(out.seqs)
+        self._schedule_prefill(out, self.max_num_batched_tokens - num_decode)
+        out.is_prefill = len(out.seqs) > num_decode
+        if out.is_prefill and num_decode:
+            self.num_mixed_steps += 1
+        return out
+
+    def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
+        """Add waiting prompts to out within budget tokens, the last one perhaps cut short (chunked)."""
+        first = len(out.seqs)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.slot < 0 and not self.free_slots or seq.num_pending:
@@ -134,8 +156,8 @@ class Scheduler:
                 num_tokens = seq.num_tokens - num_cached_blocks * self.block_manager.block_size
             else:
                 num_tokens = seq.num_tokens - seq.num_computed_tokens
-            # Only the first request of a step may be cut short (chunked prefill).
-            if num_tokens > budget and out.seqs:
+            # The seeds cut only the step's first prompt short; mixed steps fill the budget.
+            if num_tokens > budget and len(out.seqs) > first and self.policy == "prefill-first":
                 break
             if not seq.block_table:
                 self.block_manager.allocate(seq, num_cached_blocks)
@@ -156,12 +178,12 @@ class Scheduler:
                 break  # a chunked head takes the rest of the budget
         return out
 
-    def _schedule_decode(self) -> SchedulerOutput:
+    def _schedule_decode(self, max_rows: int) -> SchedulerOutput:
         out = SchedulerOutput([], False)
         bm = self.block_manager
         block_size = bm.block_size
         waiting_for_results: list[Sequence] = []
-        while self.running and len(out.seqs) < self.max_num_seqs:
+        while self.running and len(out.seqs) < max_rows:
             seq = self.running.popleft()
             if len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
                 # Its last token is still in flight; the result will finish it.
@@ -196,7 +218,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self._release_slot(seq)
-        self.waiting.appendleft(seq)
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and head.block_table:
+            # A prompt mid-prefill (mixed steps preempt beside one) keeps the head: behind seq it would
+            # hold its blocks while seq waits for them.
+            self.waiting.popleft()
+            self.waiting.appendleft(seq)
+            self.waiting.appendleft(head)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End seq wherever it is (running, waiting, mid-prefill) and free what it holds."""

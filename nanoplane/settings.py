@@ -89,6 +89,9 @@ OPTIONS: tuple[Option, ...] = (
            _ENGINE | {"dataplane"}, engine=True, dataplane_field="max_model_len"),
     Option("steps_in_flight", int, 0, "steps sent ahead of the result waited for, up to 2 "
            "(0: 2 for GPU ranks over ZeroMQ, else 1)", _ENGINE, engine=True),
+    Option("scheduling_policy", str, "prefill-first", "prefill-first: every waiting prompt before any decode "
+           "(nano-vllm's); mixed: decode rows first, prompt chunks in the rest of the token budget",
+           _ENGINE, engine=True, choices=("prefill-first", "mixed")),
     Option("kvcache_block_size", int, 0, "tokens per KV block, a power of two >= 16 (0: 256 on GPU, 16 on CPU)",
            _RANKS, engine=True, dataplane_field="block_size", aliases=("--block-size",)),
     Option("num_kvcache_blocks", int, 0, "fix the KV cache size in blocks (0: size it from memory)",

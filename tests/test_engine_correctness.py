@@ -1,5 +1,6 @@
 """Greedy tokens of the engine equal HuggingFace transformers' (float32, CPU), token for token,
-through chunked prefill, prefix-cache hits and preemption."""
+through chunked prefill, prefix-cache hits and preemption, under both scheduling policies (a mixed
+step runs decode rows and prompt chunks in one eager forward)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from nanoplane.models.norm_fold import folded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [1, 2, 15, 16, 17, 63, 130, 300]
+POLICIES = ["prefill-first", "mixed"]
 
 
 def random_prompts(lengths: list[int], seed: int, vocab: int = 380) -> list[list[int]]:
@@ -21,30 +23,47 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 380) -> list[list
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name,backend", [(name, "torch") for name in TINY] + [("qwen3", "triton"),
                                                                                ("llama-mqa", "triton")])
-def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, backend):
+def test_greedy_matches_transformers_with_chunked_prefill(tiny_models, name, backend, policy):
     """backend "triton" runs our kernels (attention, the fused QKV prologue and SiLU, the layers' norms folded into
-    the projections after them: models/norm_fold.py) in Triton's interpreter."""
-    path = tiny_models[name]
-    prompts = random_prompts(LENGTHS, seed=len(name))
-    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend)
+    the projections after them: models/norm_fold.py) in Triton's interpreter; its mixed steps run the paged
+    prefill kernel with decode rows as 1-token queries."""
+    check_chunked_prefill(tiny_models[name], backend, policy)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_steps_with_two_steps_in_flight(tiny_models, backend):
+    """Step s+2 is scheduled and sent before step s's result: a decode row's input is the token the
+    data plane sampled for it, never one the control plane has seen."""
+    check_chunked_prefill(tiny_models["qwen3"], backend, "mixed", steps_in_flight=2)
+
+
+def check_chunked_prefill(path, backend: str, policy: str, steps_in_flight: int = 0) -> None:
+    prompts = random_prompts(LENGTHS, seed=len(path.name))
+    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, attention_backend=backend,
+              scheduling_policy=policy, steps_in_flight=steps_in_flight)
     try:
         assert folded(llm.engine.data_plane.runner.model) == (backend == "triton")
+        assert llm.engine.steps_in_flight == (steps_in_flight or 1)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.scheduler.num_chunked_prefills > 0  # 130 and 300 do not fit a 64-token step
+        assert (llm.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
     finally:
         llm.close()
     for prompt, out in zip(prompts, outs, strict=True):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens), f"prompt of {len(prompt)} tokens"
 
 
-def test_prefix_cache_hits_keep_outputs_exact(tiny_models):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prefix_cache_hits_keep_outputs_exact(tiny_models, policy):
     path = tiny_models["qwen3"]
     rng = random.Random(7)
     shared = [rng.randrange(1, 380) for _ in range(50)]  # three full blocks of 16 and a partial one
     prompts = [shared + [rng.randrange(1, 380) for _ in range(n)] for n in (1, 9, 30)]
-    llm = LLM(str(path), device="cpu", kvcache_block_size=16)
+    # A 16-token budget chunks what the cache leaves to compute, beside decode rows under `mixed`.
+    llm = LLM(str(path), device="cpu", kvcache_block_size=16, max_num_batched_tokens=16, scheduling_policy=policy)
     try:
         first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
         hits_before = llm.engine.scheduler.block_manager.num_cache_hits
@@ -55,13 +74,15 @@ def test_prefix_cache_hits_keep_outputs_exact(tiny_models):
         # the same prompt again hits its own blocks, all but the block holding its last token
         again = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
         assert again == rest[1:]
+        assert (llm.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
     finally:
         llm.close()
     for prompt, out in zip(prompts, first + rest, strict=True):
         assert out["token_ids"] == hf_greedy(path, prompt, GREEDY.max_tokens)
 
 
-def test_preemption_gives_the_unpressured_outputs(tiny_models):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_preemption_gives_the_unpressured_outputs(tiny_models, policy):
     path = tiny_models["llama-tied"]
     prompts = random_prompts([20, 35, 5, 28, 40, 12], seed=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -72,10 +93,11 @@ def test_preemption_gives_the_unpressured_outputs(tiny_models):
     finally:
         roomy.close()
     # 8 blocks of 16 tokens hold 128 tokens; the six requests need 300 together.
-    tight = LLM(str(path), device="cpu", kvcache_block_size=16, num_kvcache_blocks=8)
+    tight = LLM(str(path), device="cpu", kvcache_block_size=16, num_kvcache_blocks=8, scheduling_policy=policy)
     try:
         got = tight.generate(prompts, params, use_tqdm=False)
         assert tight.engine.scheduler.num_preemptions > 0
+        assert (tight.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
         bm = tight.engine.scheduler.block_manager
         assert bm.num_used_blocks == 0 and bm.num_free_blocks == 8
     finally:

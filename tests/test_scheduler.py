@@ -190,11 +190,12 @@ class PositionalDataPlane(FakeDataPlane):
         return result
 
 
-def run_positional(model_dir, depth: int, num_blocks: int, abort_after: int | None = None):
+def run_positional(model_dir, depth: int, num_blocks: int, abort_after: int | None = None,
+                   policy: str = "prefill-first", budget: int = 40):
     """The positional workload with `depth` steps in flight (0: every step waited for)."""
     dp = PositionalDataPlane(num_blocks, max_num_seqs=4)
-    cfg = EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=40,
-                       steps_in_flight=depth)
+    cfg = EngineConfig(model_dir, device="cpu", kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=budget,
+                       steps_in_flight=depth, scheduling_policy=policy)
     engine = Engine(cfg, dp, (EOS,), overlap=depth > 0)
     assert engine.steps_in_flight == depth
     seqs = [engine.add_request([(i * 13 + j) % 90 + 5 for j in range(10 + 9 * i)],
@@ -211,6 +212,9 @@ def run_positional(model_dir, depth: int, num_blocks: int, abort_after: int | No
     bm = engine.scheduler.block_manager
     assert bm.num_used_blocks == 0 and not engine.scheduler.running and not engine.scheduler.waiting
     assert dp.max_queued == (depth + 1 if depth else 0)  # the pipeline was as deep as asked, no deeper
+    if policy == "mixed":  # the seeds' decode steps take every running request whatever the budget
+        assert all(int(d.num_scheduled.sum()) <= budget for d in dp.descriptors)
+    assert all(d.num_rows <= 4 for d in dp.descriptors)
     return [(s.completion_token_ids, s.finish_reason) for s in seqs], engine.scheduler.num_preemptions
 
 
@@ -249,6 +253,66 @@ def test_abort_with_steps_in_flight(model_dir, depth):
     outs, _ = run_positional(model_dir, depth=depth, num_blocks=64, abort_after=5)
     assert outs[4][1] is FinishReason.ABORT
     assert outs[0][1] is FinishReason.LENGTH and len(outs[0][0]) == 25
+
+
+def test_mixed_steps_keep_decoding_while_a_long_prompt_is_chunked_in(model_dir):
+    silent = {}
+    for policy in ("prefill-first", "mixed"):
+        engine, dp = make_engine(model_dir, max_num_batched_tokens=50, scheduling_policy=policy)
+        short = engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=30, ignore_eos=True))
+        engine.step()  # short's prompt
+        long = engine.add_request([(7 * i) % 90 + 5 for i in range(200)], SamplingParams(max_tokens=3, ignore_eos=True))
+        silent[policy] = 0  # steps of long's prefill in which short got no token
+        while long.num_computed_tokens < 200:
+            produced = [seq for seq, _ in engine.step().produced]
+            silent[policy] += short not in produced
+        slots = [short.slot, long.slot]
+        run(engine)
+        assert short.finish_reason is long.finish_reason is FinishReason.LENGTH
+        assert len(short.completion_token_ids) == 30 and len(long.completion_token_ids) == 3
+        if policy == "mixed":
+            # short's decode row first, then 49 of long's tokens: the budget is full; 200 = 4 * 49 + 4.
+            prefill = dp.descriptors[1:6]
+            assert [d.num_scheduled.tolist() for d in prefill] == [[1, 49]] * 4 + [[1, 4]]
+            assert all(d.slots.tolist() == slots for d in prefill)
+            assert [len(d.new_requests) for d in prefill] == [1, 0, 0, 0, 0]
+            assert engine.scheduler.num_mixed_steps == 5 and engine.scheduler.num_chunked_prefills == 4
+        else:
+            assert engine.scheduler.num_mixed_steps == 0
+    assert silent == {"prefill-first": 4, "mixed": 0}
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("num_blocks,budget", [(64, 40), (7, 40), (64, 7), (9, 3)])  # 7 and 9 blocks preempt
+def test_mixed_policy_gives_the_same_outputs_within_the_budget(model_dir, depth, num_blocks, budget):
+    """Tokens that depend only on the request and the position: any schedule must give the seeds'
+    outputs; mixed steps never go over the token budget (3: fewer than the running requests)."""
+    seeds, _ = run_positional(model_dir, depth=0, num_blocks=num_blocks, budget=budget)
+    mixed, preemptions = run_positional(model_dir, depth=depth, num_blocks=num_blocks, budget=budget, policy="mixed")
+    assert mixed == seeds
+    assert seeds[1][1] is FinishReason.STOP and seeds[3][1] is FinishReason.LENGTH and len(seeds[3][0]) == 28
+    if num_blocks < 64:
+        assert preemptions > 0
+
+
+def test_mixed_preemption_leaves_a_prompt_mid_prefill_at_the_head(model_dir):
+    # 6 blocks of 16. Step 0: a's 15 tokens and 5 of b's 80 (b takes the other 5 blocks); step 1: a
+    # decodes beside b's next chunk; step 2: a needs a second block and is preempted. Put in front of
+    # b, it could never come back (it needs 2 blocks, 1 is free) and b, holding the rest, never finishes.
+    engine, dp = make_engine(model_dir, num_blocks=6, max_num_batched_tokens=20, scheduling_policy="mixed")
+    a = engine.add_request(list(range(1, 16)), SamplingParams(max_tokens=30, ignore_eos=True))
+    b = engine.add_request([(3 * i) % 90 + 5 for i in range(80)], SamplingParams(max_tokens=3, ignore_eos=True))
+    run(engine)
+    assert engine.scheduler.num_preemptions >= 1
+    assert a.finish_reason is b.finish_reason is FinishReason.LENGTH
+    assert len(a.completion_token_ids) == 30 and len(b.completion_token_ids) == 3
+    assert [d.num_scheduled.tolist() for d in dp.descriptors[:2]] == [[15, 5], [1, 19]]
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_unknown_scheduling_policy_is_refused(model_dir):
+    with pytest.raises(ValueError, match="scheduling_policy must be"):
+        EngineConfig(model_dir, scheduling_policy="decode-first")
 
 
 def test_a_slot_freed_while_idle_is_freed_on_the_data_plane(model_dir):
