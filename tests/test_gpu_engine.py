@@ -15,18 +15,21 @@ from nanoplane.controlplane import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.mark.parametrize("policy", ["prefill-first", "mixed"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", ["qwen3", "llama-tied", "llama-mqa"])
-def test_fp32_greedy_matches_transformers_on_gpu(tiny_models, name, backend):
+def test_fp32_greedy_matches_transformers_on_gpu(tiny_models, name, backend, policy):
     path = tiny_models[name]
     rng = random.Random(11)
     prompts = [[rng.randrange(1, 380) for _ in range(n)] for n in (1, 16, 17, 100, 300)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(path), device="cuda", dtype="float32", kvcache_block_size=16, max_num_batched_tokens=128,
-              attention_backend=backend, num_kvcache_blocks=64)
+              attention_backend=backend, num_kvcache_blocks=64, scheduling_policy=policy)
     try:
         outs = llm.generate(prompts + prompts[1:3], params, use_tqdm=False)  # repeats hit the prefix cache
         assert llm.engine.scheduler.num_chunked_prefills > 0
+        # mixed: decode rows beside prompt chunks in one eager step (no CUDA graph covers such a step)
+        assert (llm.engine.scheduler.num_mixed_steps > 0) == (policy == "mixed")
     finally:
         llm.close()
     for prompt, out in zip(prompts + prompts[1:3], outs, strict=True):
