@@ -214,7 +214,7 @@ def main() -> None:
     args = p.parse_args()
     if args.engine_process and not args.remote:
         p.error("--engine-process needs --remote")
-    from tests.tiny_models import make_tokenizer
+    from tests.support.tiny_models import make_tokenizer
 
     with tempfile.TemporaryDirectory() as model_dir:
         make_tokenizer(Path(model_dir))  # what the GPU benchmark's random checkpoint uses

@@ -236,7 +236,7 @@ def model_dir(args: argparse.Namespace) -> Path:
     default = "/tmp/nanoplane-tiny-qwen3" if args.toy else f"/tmp/nanoplane-qwen3-{args.shape}-random"
     path = Path(args.model_dir or default)
     if args.toy and not (path / "config.json").is_file():
-        from tests.tiny_models import make_tiny_model
+        from tests.support.tiny_models import make_tiny_model
 
         make_tiny_model(path)
     elif not args.toy and not (path / "model.safetensors").is_file():

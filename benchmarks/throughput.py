@@ -55,7 +55,7 @@ def make_random_model(path: Path, shape: str = "0.6b") -> None:
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from tests.tiny_models import make_tokenizer
+    from tests.support.tiny_models import make_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     make_tokenizer(path)

@@ -17,8 +17,8 @@ None (RowParallelLinear.add_to_residual).
 
 The rounding moves in the last place of the model dtype: the projection sees the un-normalised
 row and a weight rounded once after the multiply, its output is rounded before the scale, and a
-residual sum is rounded once instead of twice. tests/test_engine_correctness.py holds the folded
-engine to transformers' tokens in fp32, tests/test_gpu_engine.py to its bf16 logits.
+residual sum is rounded once instead of twice. tests/engine/test_engine_correctness.py holds the folded
+engine to transformers' tokens in fp32, tests/engine/test_gpu_engine.py to its bf16 logits.
 
 It applies where the data plane runs the fused kernels on one rank, in bf16 or fp32 (not fp16:
 see foldable), to layers without biases. Under tensor parallelism the row-parallel outputs are

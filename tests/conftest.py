@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-from tiny_models import make_tiny_model  # noqa: E402
+from support.tiny_models import make_tiny_model  # noqa: E402
 
 # name -> (architecture, tied embeddings, kv heads of 4 query heads)
 TINY = {

@@ -1,7 +1,7 @@
 """The ZeroMQ data plane's client against fake ranks made of raw sockets (no torch, fast): the
 protocol, steps in flight, liveness through stalls of this process or the whole host, a standby
 data plane, junk on the port, and a bounded shutdown. The engine over real rank processes:
-tests/test_remote_ranks.py.
+tests/service/test_launcher.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 random model, and the Python client library; each test runs against both engine fronts (the engine
 in this process over an in-process data plane, and the default layout: the engine in its own
 process, a data plane process attached to it). What happens when calls are cancelled or the data
-plane fails: tests/test_grpc_failures.py."""
+plane fails: tests/service/test_grpc_failures.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_server import BLOCKS, FRONTS, MAX_LEN, PROMPTS, ServerThread, rpc_error, wait_idle
-from tiny_models import make_tiny_model
+from support.grpc_server import BLOCKS, FRONTS, MAX_LEN, PROMPTS, ServerThread, rpc_error, wait_idle
+from support.tiny_models import make_tiny_model
 
 from nanoplane.clients import AsyncClient, Client
 from nanoplane.controlplane.grpc_server import SERVICE

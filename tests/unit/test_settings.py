@@ -14,7 +14,7 @@ from nanoplane.controlplane.config import EngineConfig
 from nanoplane.dataplane.config import DataPlaneConfig
 from nanoplane.settings import TUNING_VARIABLES, Tuning, read_tuning
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Reads in files other engineers own, which take their values from settings once the branches merge.
 PENDING: set[str] = set()  # files still reading the environment themselves
 

@@ -9,7 +9,7 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (see tests/test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (see tests/kernels/test_layer_kernels.py)
 
 import zlib  # noqa: E402
 

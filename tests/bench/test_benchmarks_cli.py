@@ -22,7 +22,7 @@ def test_help(name, monkeypatch, capsys):
 
 def test_no_module_is_named_like_a_package():
     """Such a module would shadow the package wherever benchmarks/ is on sys.path."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     packages = {p.parent.name for pattern in ("*/__init__.py", "nanoplane/*/__init__.py") for p in root.glob(pattern)}
     assert "kernels" in packages
     assert not {p.stem for p in (root / "benchmarks").glob("*.py")} & packages

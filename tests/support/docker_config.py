@@ -1,7 +1,7 @@
 """What docker-compose.yml and the Dockerfiles say, read as Docker reads them, without a Docker engine:
 compose's variable interpolation, a Dockerfile's instructions, the argv a container runs, and that
-argv parsed by the real CLI under the container's environment. Shared by tests/test_compose.py and
-tests/test_docker_images.py.
+argv parsed by the real CLI under the container's environment. Shared by tests/deploy/test_compose.py and
+tests/deploy/test_docker_images.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml  # PyYAML: a dependency of transformers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = {"controlplane": ROOT / "docker" / "controlplane.Dockerfile",
                "dataplane": ROOT / "docker" / "dataplane.Dockerfile"}

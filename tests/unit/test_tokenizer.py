@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import make_tokenizer
+from support.tiny_models import make_tokenizer
 
 from nanoplane.controlplane import tokenizer as tokenizer_module
 from nanoplane.controlplane.tokenizer import Tokenizer

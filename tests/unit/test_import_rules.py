@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"proto", "controlplane", "dataplane", "models", "kernels", "clients"}
 PLANES = {"controlplane", "dataplane", "models", "kernels"}
 

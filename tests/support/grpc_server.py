@@ -1,5 +1,5 @@
 """A gRPC server on a tiny model in a thread of the test process, and the waits the gRPC tests share
-(tests/test_grpc_api.py: the API as clients use it; tests/test_grpc_failures.py: what goes wrong).
+(tests/service/test_grpc_api.py: the API as clients use it; tests/service/test_grpc_failures.py: what goes wrong).
 
 The server runs either engine front: in-process (the engine loop on a thread here, the data plane in
 this process too) or engine-process (the default layout: the engine loop in its own process, and a

@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU: exact greedy tokens in float32, and bf16 logits close to transformers'
 on Qwen3-0.6B-shaped random weights (greedy agreement rate printed). Run on the device machine:
-`python -m pytest -m gpu tests/test_gpu_engine.py -s`."""
+`python -m pytest -m gpu tests/engine/test_gpu_engine.py -s`."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def qwen3_06b(tmp_path_factory):
     Loaded, not the in-memory model: casting a model with .to() also rounds its rotary inv_freq
     buffer to bf16, which a model loaded from the checkpoint (ours included) never does.
     """
-    from tiny_models import make_tokenizer
+    from support.tiny_models import make_tokenizer
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     path = tmp_path_factory.mktemp("qwen3-0.6b")

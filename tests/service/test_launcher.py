@@ -1,7 +1,7 @@
 """The engine over real rank processes (`python -m dataplane.launcher`, a tiny model on the CPU)
 gives the embedded engine's tokens, refuses steps it cannot have asked for, and turns failures (a
 killed rank, a vanished control plane, a second signal) into errors in bounded time. The client
-against fake ranks: tests/test_dataplane_client.py.
+against fake ranks: tests/service/test_dataplane_client.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from nanoplane.process import stop_process
-from tests.test_service import Server, embedded_run, greedy, kill_mid_stream, prompts
+from tests.service.test_service import Server, embedded_run, greedy, kill_mid_stream, prompts
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from nanoplane.settings import read_tuning
 
 V = 50
 # The fused path on CPU tensors runs in Triton's interpreter (CI); a CUDA machine compiles kernels
-# instead, which cannot take CPU tensors: there tests/test_sampling_kernel.py covers the kernel.
+# instead, which cannot take CPU tensors: there tests/kernels/test_sampling_kernel.py covers the kernel.
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the fused path on CPU tensors needs TRITON_INTERPRET=1")
 FUSED = [False, pytest.param(True, marks=interpreted)]

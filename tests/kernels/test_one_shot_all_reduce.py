@@ -3,7 +3,7 @@ for GPUs, shared-memory segments for the symmetric buffers and signal pads (each
 all of them, as peers address each other's buffers over NVLink). The flags are real atomic
 compare-and-swaps on shared memory, so this runs the kernel's protocol (store into the peers' slots
 of this call's set, meet, sum in rank order) across processes, call after call, with one rank slower
-than the others; the GPU test (tests/test_allreduce.py) runs it on two H200s.
+than the others; the GPU test (tests/kernels/test_allreduce.py) runs it on two H200s.
 """
 
 from __future__ import annotations

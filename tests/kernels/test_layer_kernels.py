@@ -1,5 +1,5 @@
 """Triton kernels against their fp32 torch references (kernels/reference.py): RMSNorm, rotary, the
-QKV prologue, silu·mul and the skinny GEMM. The attention kernels: tests/test_attention_kernels.py.
+QKV prologue, silu·mul and the skinny GEMM. The attention kernels: tests/kernels/test_attention_kernels.py.
 
 Without CUDA the kernels run in Triton's interpreter (numpy, one program at a time), so the CPU
 cases use tiny shapes; the real shapes are in the `gpu`-marked cases at the end.
@@ -19,11 +19,10 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernel_checks import DEV, ROUNDS_BF16, TOL, gpu, paged_cache, rel_err  # noqa: E402
+from support.kernel_checks import DEV, ROUNDS_BF16, TOL, check_qkv_prologue, gpu, paged_cache, rel_err  # noqa: E402
 
 from nanoplane.kernels import (  # noqa: E402
     apply_rotary,
-    qkv_prologue,
     rms_norm,
     silu_and_mul,
     skinny_gemm,
@@ -77,48 +76,6 @@ def test_rotary(dtype, hq, hkv, d, rot_dim):
     assert rel_err(q, expected_q) < tol and rel_err(k, expected_k) < tol
     assert torch.equal(fused[:, hq + hkv :], before[:, hq + hkv :])  # V untouched
     assert torch.equal(q[..., rot_dim:], before[:, :hq, rot_dim:])  # pass-through dims
-
-
-def rope_cache(d: int, max_pos: int = 4096) -> torch.Tensor:
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, device=DEV).float() / d))
-    freqs = torch.outer(torch.arange(max_pos, device=DEV).float(), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-
-
-def check_qkv_prologue(t, hq, hkv, d, dtype, with_norm, page=16, tol=None, qkv=None, rows=None):
-    """`rows` (with the `qkv` they project to): the row scale of a folded norm (tests/test_norm_fold.py)."""
-    cos_sin = rope_cache(d)
-    width = (hq + 2 * hkv) * d
-    if qkv is None:
-        qkv = torch.randn(t, width + 8, device=DEV).to(dtype)[:, :width]  # row-strided, as a GEMM slice may be
-    row_norm = None if rows is None else (rows, 1e-5)
-    weights = [(1 + 0.1 * torch.randn(d, device=DEV)).to(dtype) for _ in range(2)] if with_norm else [None, None]
-    positions = torch.randint(0, cos_sin.shape[0], (t,), device=DEV)
-    num_blocks = -(-t // page) + 2
-    slots = torch.randperm(num_blocks * page, device=DEV)[:t]
-    slots[t // 2] = -1  # a CUDA-graph padding row: writes nothing
-    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=DEV)
-    v_cache = k_cache.clone()
-    exp_k, exp_v = k_cache.clone(), v_cache.clone()
-    args = (positions, cos_sin, *weights, 1e-6, slots)
-    expected_q = ref.qkv_prologue_ref(qkv.clone(), *args, exp_k, exp_v, hq, hkv, row_norm)
-    v_before = qkv[:, (hq + hkv) * d :].clone()
-    q = qkv_prologue(qkv, *args, k_cache, v_cache, hq, hkv, row_norm)
-    assert q.shape == (t, hq, d) and q.data_ptr() == qkv.data_ptr()  # q rewritten in place
-    if tol is None:
-        tol = TOL[dtype] if dtype == torch.bfloat16 and not ROUNDS_BF16 else TOL[dtype] / 4
-    assert rel_err(q, expected_q) < tol
-    kept = slots[slots >= 0]
-    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
-    assert rel_err(flat_k[kept], exp_k.view(-1, hkv, d)[kept]) < tol
-    if rows is None:
-        assert torch.equal(flat_v[kept], exp_v.view(-1, hkv, d)[kept])  # V is copied, not transformed
-    else:
-        assert rel_err(flat_v[kept], exp_v.view(-1, hkv, d)[kept]) < tol  # V takes the row scale
-    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEV)
-    untouched[kept] = False
-    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
-    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # V read, never written
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

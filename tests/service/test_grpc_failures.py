@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import zmq
-from grpc_server import FRONTS, PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
-from tiny_models import make_tiny_model
+from support.grpc_server import FRONTS, PROMPTS, ServerThread, rpc_error, serving, wait_health, wait_idle
+from support.tiny_models import make_tiny_model
 
 from nanoplane.clients import Client
 from nanoplane.controlplane.errors import DataPlaneUnavailable, RequestIdInUse

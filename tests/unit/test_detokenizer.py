@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from tiny_models import VOCAB, make_tokenizer
+from support.tiny_models import VOCAB, make_tokenizer
 
 from nanoplane.controlplane.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher, TextStream
 

@@ -4,18 +4,25 @@ needs it), the `kernels` distribution or another `models` live."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("proto", "controlplane", "dataplane", "models", "kernels", "clients")
 
 
 def test_the_wheel_holds_only_the_nanoplane_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
-                    str(tmp_path), str(ROOT)], check=True, cwd=tmp_path, timeout=300)
+    src = tmp_path / "src"  # a copy: building in place would leave build/ in the checkout
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for folder in ("nanoplane", *FOLDERS):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(src)],
+                   check=True, cwd=tmp_path, timeout=300)
     wheel, = tmp_path.glob("nanoplane-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}

@@ -24,7 +24,7 @@ from nanoplane.controlplane import LLM, SamplingParams
 from nanoplane.demo import serve_in_background
 from nanoplane.process import free_port, stop_process
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_serving(client: Client, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -72,7 +72,7 @@ def embedded_tokens(tiny_models) -> list[list[int]]:
     return embedded_run(tiny_models["qwen3"])
 
 
-# The engine runs in its own process by default (tests/test_engine_process.py covers it at TP=1 with
+# The engine runs in its own process by default (tests/service/test_engine_process.py covers it at TP=1 with
 # bad input and a killed engine process); "0" keeps it in the serving process, the other layout.
 # CPU ranks get one step in flight unless told otherwise; "2" runs the GPU ranks' default here.
 @pytest.mark.parametrize("tp, engine_process, steps_in_flight", [(2, "1", ""), (1, "0", ""), (1, "1", "2")])

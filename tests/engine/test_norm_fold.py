@@ -3,7 +3,7 @@
 The kernels' row scale and the projection that adds itself to the residual stream, against their
 fp32 torch twins on fresh inputs (interpreter on a CPU, real shapes on a GPU); the fold's own
 rules; and a folded model's logits against the same weights unfolded. The whole engine, folded,
-against transformers' tokens: tests/test_engine_correctness.py (backend "triton").
+against transformers' tokens: tests/engine/test_engine_correctness.py (backend "triton").
 """
 
 import os
@@ -11,7 +11,7 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (see tests/test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (see tests/kernels/test_layer_kernels.py)
 
 import zlib  # noqa: E402
 
@@ -19,8 +19,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernel_checks import DEV, TOL, rel_err  # noqa: E402
-from test_kernels import check_qkv_prologue  # noqa: E402
+from support.kernel_checks import (  # noqa: E402
+    DEV,
+    TOL,
+    check_qkv_prologue,  # noqa: E402
+    rel_err,
+)
 
 from nanoplane.kernels import reference as ref  # noqa: E402
 from nanoplane.kernels import silu_and_mul, skinny_gemm  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 from collections import defaultdict
 
 from conftest import ROOT
-from tiny_models import VOCAB
+from support.tiny_models import VOCAB
 
 from benchmarks import serving_workloads as wl
 from benchmarks.serving import TOY_SHAPES

@@ -2,7 +2,7 @@
 paged decode (split-KV, row orders, launch alternatives) and paged prefill (cached prefixes, chunks).
 
 Without CUDA the kernels run in Triton's interpreter at tiny shapes; the real shapes are in the
-`gpu`-marked cases at the end. The other kernels: tests/test_kernels.py.
+`gpu`-marked cases at the end. The other kernels: tests/kernels/test_layer_kernels.py.
 """
 
 import os
@@ -10,14 +10,14 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (see tests/test_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton loads (see tests/kernels/test_layer_kernels.py)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernel_checks import DEV, DTYPES, HEADS, TOL, gpu, i32, paged_cache, rel_err  # noqa: E402
+from support.kernel_checks import DEV, DTYPES, HEADS, TOL, gpu, i32, paged_cache, rel_err  # noqa: E402
 
 import nanoplane.kernels.decode_attention as decode_module  # noqa: E402
 import nanoplane.kernels.prefill_attention as prefill_attention  # noqa: E402

@@ -4,13 +4,13 @@ Every command a container runs (compose `command`/`entrypoint` over the Dockerfi
 and each health check) must parse with `nanoplane.cli.build_parser()` under that service's
 `environment:`; every NANOPLANE_* variable must name a flag of that command and take effect; the two
 planes must agree with each other on model, addresses and GPUs. The images themselves:
-tests/test_docker_images.py.
+tests/deploy/test_docker_images.py.
 """
 
 from __future__ import annotations
 
 import pytest
-from docker_config import (
+from support.docker_config import (
     DOCKERFILES,
     MODEL_MOUNT,
     ROOT,

@@ -1,7 +1,7 @@
 """The decode-graph step on a CPU: static input packing per bucket, padding rows, the LM head and the
 sampling tails (argmax, the fused sampler in Triton's interpreter, the token write-back) give the
 tokens of the eager step. A "graph" here replays by calling its function again; on a GPU
-tests/test_gpu_engine.py runs the same comparison with captured CUDA graphs."""
+tests/engine/test_gpu_engine.py runs the same comparison with captured CUDA graphs."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Helpers the tests share: tiny checkpoints, a gRPC server thread, kernel checks, docker config."""
