@@ -125,11 +125,12 @@ def test_every_flag_explains_itself(capsys):
     for command in COMMANDS:
         with pytest.raises(SystemExit):
             parser.parse_args([command, "--help"])
-        text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+        text = "".join(capsys.readouterr().out.split())  # argparse wraps the help, at hyphens too
         for o in settings.options_for(command):
             default = o.default_for(command)
             shown = "none" if default is None else str(default)
-            assert f"{' '.join(o.help_for(command).split())} (default: {shown}; env {o.env})" in text, (command, o.name)
+            expected = f"{o.help_for(command)} (default: {shown}; env {o.env})"
+            assert "".join(expected.split()) in text, (command, o.name)
     for command, sub in parser._subparsers._group_actions[0].choices.items():
         flags = {a.option_strings[0] for a in sub._actions if a.option_strings and a.dest != "help"}
         assert flags == {o.flag for o in settings.options_for(command)}, command  # no flag outside settings
