@@ -149,6 +149,11 @@ def engine_default(name: str) -> Any:
     return BY_NAME[name].default
 
 
+def dataplane_default(field: str) -> Any:
+    """The default of the option that sets DataPlaneConfig's `field` (its defaults come from here)."""
+    return next(o.default_for("dataplane") for o in OPTIONS if o.dataplane_field == field)
+
+
 def dataplane_fields(config: Any) -> dict[str, Any]:
     """The DataPlaneConfig keywords for an EngineConfig: every engine option a rank reads."""
     return {o.dataplane_field: getattr(config, o.name) for o in OPTIONS
