@@ -6,21 +6,38 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing as mp
+import struct
 from collections import deque
+from multiprocessing.connection import Connection
 
 from nanoplane.dataplane.config import DataPlaneConfig
 from nanoplane.dataplane.model_runner import ModelRunner
 from nanoplane.process import free_port, freeze_startup_objects
+from nanoplane.proto import codec
 from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
 
+_COUNT = struct.Struct("<I")
 
-def _serve_rank(cfg: DataPlaneConfig, conn) -> None:
+
+def _send(conn: Connection, frames: list) -> None:
+    """A plane message over a pipe in the plane's own encoding (proto/codec.py), as over ZeroMQ: no pickle."""
+    conn.send_bytes(_COUNT.pack(len(frames)))
+    for frame in frames:
+        conn.send_bytes(frame)
+
+
+def _recv(conn: Connection) -> codec.Message:
+    (count,) = _COUNT.unpack(conn.recv_bytes())
+    return codec.decode([conn.recv_bytes() for _ in range(count)])
+
+
+def _serve_rank(cfg: DataPlaneConfig, conn: Connection) -> None:
     runner = ModelRunner(cfg)
     freeze_startup_objects()
-    conn.send(runner.info())
+    _send(conn, codec.encode_control(codec.Ready(0, runner.info())))
     while True:
-        desc = conn.recv()
-        if desc is None:
+        desc = _recv(conn)
+        if isinstance(desc, codec.Shutdown):
             break
         # Every rank holds the same state and sees the same descriptor, so a refusal is the same
         # on all ranks; rank 0 reports it.
@@ -53,7 +70,7 @@ class LocalDataPlane:
             infos = [self.runner.info()]
             for rank, (_, conn) in enumerate(self.workers, start=1):
                 try:
-                    infos.append(conn.recv())
+                    infos.append(_recv(conn).info)
                 except EOFError:
                     raise RuntimeError(f"tensor-parallel rank {rank} died while starting "
                                        "(see its traceback above)") from None
@@ -68,8 +85,10 @@ class LocalDataPlane:
 
     def submit(self, desc: StepDescriptor) -> None:
         """Queue a step; the engine schedules the next one while it runs."""
-        for _, conn in self.workers:
-            conn.send(desc)
+        if self.workers:
+            frames = codec.encode_descriptor(desc)
+            for _, conn in self.workers:
+                _send(conn, frames)
         self.pending.append(self.runner.launch(desc))
 
     def collect(self, step_id: int) -> StepResult:
@@ -81,7 +100,7 @@ class LocalDataPlane:
     def close(self) -> None:
         for proc, conn in self.workers:
             with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(None)
+                _send(conn, codec.encode_control(codec.Shutdown(0, "the embedded engine closes")))
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
