@@ -4,6 +4,7 @@ Python client. The commands' side (flags, a bad configuration's exit 2, SIGHUP):
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from support.certificates import Authority
 from support.grpc_server import ServerThread, rpc_error
 from support.tiny_models import make_tiny_model
 
-from nanoplane.clients import Client
+from nanoplane.clients import AsyncClient, Client
 from nanoplane.controlplane import security as security_module
 from nanoplane.controlplane.security import ServerSecurity
 
@@ -124,6 +125,20 @@ def test_the_right_token_works_and_health_needs_none(token_server, pki):
         answers = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                                  metadata=(("authorization", f"bearer {TOKEN}"),)))
         assert "nanoplane.v1.Generation" in [svc.name for svc in answers[0].list_services_response.service]
+
+
+def test_the_async_client_speaks_tls_with_a_token(token_server, pki):
+    s, _ = token_server
+
+    async def run(token: str | None) -> list[int]:
+        async with AsyncClient(s.address, OWN, tls_ca=pki["ca"].cert, auth_token=token) as c:
+            assert await c.health() == "SERVING"
+            return [t async for chunk in c.generate(PROMPT, max_tokens=4, ignore_eos=True) for t in chunk.token_ids]
+
+    assert len(asyncio.run(run(TOKEN))) == 4
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(run(None))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_changed_token_file_is_picked_up_without_a_restart(token_server, pki, monkeypatch):
