@@ -172,7 +172,8 @@ def channel_credentials(tls_ca: Pem | None = None, tls_cert: Pem | None = None,
     if tls_ca is None and tls_cert is None and tls_key is None:
         return None
     if (tls_cert is None) != (tls_key is None):
-        raise ValueError("a client certificate needs its key: give tls_cert and tls_key together")
+        raise ValueError("a client certificate needs its key: give tls_cert and tls_key (--tls-cert, --tls-key) "
+                         "together")
     return grpc.ssl_channel_credentials(_pem(tls_ca, "CA certificate"), _pem(tls_key, "TLS key"),
                                         _pem(tls_cert, "TLS certificate"))
 

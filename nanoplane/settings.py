@@ -138,7 +138,7 @@ OPTIONS: tuple[Option, ...] = (
            _ASKING),
     Option("auth_token_file", str, None, "bearer tokens, one a line, one of which every call but health must "
            "carry; re-read when it changes and on SIGHUP", _SERVING | _ASKING,
-           helps={c: "file whose first line is the bearer token to send" for c in _ASKING}),
+           helps={c: "file holding the bearer token to send (its first line but # comments)" for c in _ASKING}),
     Option("auth_token", str, None, "bearer token to send (--auth-token-file keeps it out of ps)", _ASKING),
     # One prompt.
     Option("raw", bool, False, "send the prompt as is, without the chat template", _SAMPLING),
