@@ -66,6 +66,9 @@ def test_tls_works_with_the_ca_and_fails_without(model, pki):
             assert len(generated(c)) == 4
         with client(s, tls_ca=pki["ca"].cert.read_bytes()) as c:  # PEM bytes work as well as a path
             assert c.tokenize(PROMPT)
+        # A certificate the server did not ask for (one container's shared variables) changes nothing.
+        with client(s, tls_ca=pki["ca"].cert, tls_cert=pki["server"].cert, tls_key=pki["server"].key) as c:
+            assert c.health(timeout=10) == "SERVING"
         with client(s, tls_ca=pki["other"].cert) as c:  # a CA that did not sign the server's certificate
             refused(lambda: c.health(timeout=10))
         with client(s) as c:  # plaintext against TLS
