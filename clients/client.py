@@ -12,6 +12,10 @@ stop, stop_token_ids, ignore_eos, ...). Server errors surface as `grpc.RpcError`
 `grpc.aio.AioRpcError` (async) with the status code and the server's message. Leaving a stream
 early cancels the call, and the server frees the request's resources.
 
+A server with TLS: `Client(address, tls_ca="ca.pem")` (the CA that signed its certificate), plus
+`tls_cert=` / `tls_key=` for mTLS; with bearer tokens: `auth_token="..."` (see docs/operations.md).
+Each of tls_ca, tls_cert and tls_key is a file path or the PEM bytes themselves.
+
 This package speaks gRPC like a client in any other language would: it imports `proto` and grpc
 only, never the server's code.
 """
@@ -24,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,6 +37,7 @@ from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
 from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages
+Pem = str | Path | bytes  # a file's path, or PEM bytes
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
@@ -150,6 +156,44 @@ class BatchProgress:
             self.bar.close()
 
 
+def _pem(value: Pem | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        return Path(value).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} {str(value)!r}: {e.strerror or e}") from None
+
+
+def channel_credentials(tls_ca: Pem | None = None, tls_cert: Pem | None = None,
+                        tls_key: Pem | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials (None: plaintext): trust `tls_ca` (else the system's CAs), and present
+    tls_cert/tls_key as this client's identity when given (mTLS). ValueError on an unreadable file."""
+    if tls_ca is None and tls_cert is None and tls_key is None:
+        return None
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("a client certificate needs its key: give tls_cert and tls_key (--tls-cert, --tls-key) "
+                         "together")
+    return grpc.ssl_channel_credentials(_pem(tls_ca, "CA certificate"), _pem(tls_key, "TLS key"),
+                                        _pem(tls_cert, "TLS certificate"))
+
+
+def read_token_file(path: str | Path) -> str:
+    """The bearer token in a file: its first line that is neither blank nor a # comment."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the token file {str(path)!r}: {getattr(e, 'strerror', None) or e}") from None
+    token = next((line.strip() for line in lines if line.strip() and not line.strip().startswith("#")), None)
+    if token is None:
+        raise ValueError(f"the token file {str(path)!r} holds no token")
+    return token
+
+
+def _auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {auth_token}"),) if auth_token else None
+
+
 def _split_prompt(prompt: Prompt) -> dict:
     if not isinstance(prompt, str) and prompt and isinstance(prompt[0], dict):
         return {"messages": prompt}
@@ -159,8 +203,13 @@ def _split_prompt(prompt: Prompt) -> dict:
 class Client:
     """Blocking client. Thread-safe: one channel, many concurrent calls."""
 
-    def __init__(self, address: str, options: Sequence[tuple[str, object]] | None = None):
-        self.channel = grpc.insecure_channel(address, options=options)
+    def __init__(self, address: str, options: Sequence[tuple[str, object]] | None = None, *,
+                 tls_ca: Pem | None = None, tls_cert: Pem | None = None, tls_key: Pem | None = None,
+                 auth_token: str | None = None):
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        self.channel = (grpc.secure_channel(address, credentials, options=options) if credentials
+                        else grpc.insecure_channel(address, options=options))
+        self.metadata = _auth_metadata(auth_token)  # sent with every call
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -168,7 +217,7 @@ class Client:
                  request_id: str = "", timeout: float | None = None, **sampling) -> Iterator[Chunk]:
         """Stream one request's chunks; `timeout` is the call's deadline in seconds."""
         call = self.stub.Generate(build_request(prompt, messages=messages, request_id=request_id, **sampling),
-                                  timeout=timeout)
+                                  timeout=timeout, metadata=self.metadata)
         try:
             for response in call:
                 yield _chunk(response)
@@ -197,18 +246,19 @@ class Client:
             progress.close()
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
-        return list(self.stub.Tokenize(_tokenize_request(text, messages)).token_ids)
+        return list(self.stub.Tokenize(_tokenize_request(text, messages), metadata=self.metadata).token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 
     def server_status(self) -> pb.ServerStatus:
-        return self.stub.GetServerStatus(pb.GetServerStatusRequest())
+        return self.stub.GetServerStatus(pb.GetServerStatusRequest(), metadata=self.metadata)
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """"SERVING" while the server can run requests, "NOT_SERVING" while its data plane is down.
         `timeout`: seconds before the call fails with DEADLINE_EXCEEDED (None: the channel's own)."""
-        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
+                                          metadata=self.metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def wait_until_serving(self, timeout: float, still_starting: Callable[[], bool] | None = None,
@@ -243,15 +293,20 @@ class Client:
 class AsyncClient:
     """asyncio client; create and use it inside one running event loop."""
 
-    def __init__(self, address: str, options: Sequence[tuple[str, object]] | None = None):
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+    def __init__(self, address: str, options: Sequence[tuple[str, object]] | None = None, *,
+                 tls_ca: Pem | None = None, tls_cert: Pem | None = None, tls_key: Pem | None = None,
+                 auth_token: str | None = None):
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
+                        else grpc.aio.insecure_channel(address, options=options))
+        self.metadata = _auth_metadata(auth_token)  # sent with every call
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     async def generate(self, prompt: Prompt | None = None, *, messages: Sequence[dict] | None = None,
                        request_id: str = "", timeout: float | None = None, **sampling) -> AsyncIterator[Chunk]:
         call = self.stub.Generate(build_request(prompt, messages=messages, request_id=request_id, **sampling),
-                                  timeout=timeout)
+                                  timeout=timeout, metadata=self.metadata)
         try:
             async for response in call:
                 yield _chunk(response)
@@ -282,16 +337,17 @@ class AsyncClient:
             progress.close()
 
     async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
-        return list((await self.stub.Tokenize(_tokenize_request(text, messages))).token_ids)
+        return list((await self.stub.Tokenize(_tokenize_request(text, messages), metadata=self.metadata)).token_ids)
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 
     async def server_status(self) -> pb.ServerStatus:
-        return await self.stub.GetServerStatus(pb.GetServerStatusRequest())
+        return await self.stub.GetServerStatus(pb.GetServerStatusRequest(), metadata=self.metadata)
 
     async def health(self, service: str = "") -> str:
-        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))
+        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                                metadata=self.metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     async def close(self) -> None:

@@ -23,6 +23,7 @@ from nanoplane.controlplane.detokenizer import TextStream
 from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
 from nanoplane.controlplane.front import EngineFront, Output
 from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
@@ -229,8 +230,9 @@ class GenerationServer:
     """grpc.aio server around an EngineFront. `await start()`, then `await stop()`."""
 
     def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0",
-                 options: list[tuple[str, object]] | None = None):
+                 options: list[tuple[str, object]] | None = None, security: ServerSecurity | None = None):
         self.front = front
+        self.security = security  # TLS, mTLS and bearer tokens (security.py); None: plaintext, open
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.address = address
@@ -243,14 +245,17 @@ class GenerationServer:
     async def start(self) -> int:
         """Bind, start serving and start the engine front; returns the bound port."""
         # Every service: health and reflection too answer a body that does not parse with INVALID_ARGUMENT.
-        server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor()], options=self.options)
+        auth = self.security.interceptors() if self.security else []
+        server = grpc.aio.server(interceptors=[*auth, ExceptionToStatusInterceptor()], options=self.options)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.front, self.tokenizer, self.model_name),
                                                  server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         service_names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                          reflection.SERVICE_NAME)
         reflection.enable_server_reflection(service_names, server)
-        self.port = server.add_insecure_port(self.address)
+        credentials = self.security.credentials() if self.security else None
+        self.port = (server.add_secure_port(self.address, credentials) if credentials
+                     else server.add_insecure_port(self.address))
         if self.port == 0:
             raise OSError(f"could not bind {self.address}")
         loop = asyncio.get_running_loop()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
+
+from tokenizers import Tokenizer as BackendTokenizer
 
 # PreTrainedTokenizerFast, not AutoTokenizer: importing the latter loads torch when it is installed.
 from transformers import PreTrainedTokenizerFast
@@ -20,6 +23,7 @@ class Tokenizer:
         # busy server: call the Rust tokenizer directly, skipping transformers' per-id Python checks,
         # unless the tokenizer asks for transformers' clean-up of spaces, which only it implements.
         self._backend_decode = None if self.hf.clean_up_tokenization_spaces else self.hf.backend_tokenizer.decode
+        self._chat = ChatEncoder(self.hf.backend_tokenizer)
 
     def _eos_ids(self, model_dir: Path) -> tuple[int, ...]:
         # generation_config.json may list several end tokens (chat models end turns with their own).
@@ -77,13 +81,88 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, str]],
                     check: Callable[[str], None] | None = None) -> tuple[str, list[int]]:
-        """The conversation's prompt text and ids; the template already holds any special tokens.
-        `check` sees the templated text before it is encoded (and may refuse it by raising)."""
-        text = self.apply_chat_template(messages)
+        """The conversation's prompt text and ids. Only the template's own markers become special
+        tokens: special-token text inside a message (content or role) is encoded as the plain text
+        it is, so that a client cannot forge a system or assistant turn. `check` sees the templated
+        text before it is encoded (and may refuse it by raising)."""
+        escaped = self._chat.escape(messages)
+        if escaped is None:  # no special-token text in any message: the template's text as it is
+            text = self.apply_chat_template(messages)
+            if check is not None:
+                check(text)
+            ids = self.hf.encode(text, add_special_tokens=False)
+            if self._chat.count_special(ids) == self._chat.count_markers(text):
+                return text, ids
+            # A normalizer turned message text into a special token: the careful way after all.
+            escaped = self._chat.escape(messages, always=True)
+        rendered, unescape = escaped
+        templated = self.apply_chat_template(rendered)
+        text = unescape(templated)
         if check is not None:
             check(text)
-        return text, self.hf.encode(text, add_special_tokens=False)
+        return text, self._chat.encode(templated, unescape)
 
+
+class ChatEncoder:
+    """Encodes a chat template's output so that only the template's own special-token text becomes
+    special tokens. Each special token's text in the messages is swapped for a private-use character
+    before the template runs, so every special token left in its output is one of its markers; the
+    text between markers is then encoded with special-token parsing off (the tokenizers library's
+    `encode_special_tokens`), the swapped characters put back first."""
+
+    def __init__(self, backend: BackendTokenizer):
+        self.special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self._special_ids = frozenset(self.special.values())
+        # Longest first: a token whose text starts another's must not cut that one short.
+        names = sorted(self.special, key=len, reverse=True)
+        self._marker = re.compile("|".join(map(re.escape, names))) if names else None
+        self._plain = BackendTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True  # this copy only: never shared with other encodes
+
+    def count_special(self, ids: list[int]) -> int:
+        return sum(i in self._special_ids for i in ids)
+
+    def count_markers(self, text: str) -> int:
+        return 0 if self._marker is None else sum(1 for _ in self._marker.finditer(text))
+
+    def escape(self, messages: list[dict[str, str]], always: bool = False
+               ) -> tuple[list[dict[str, str]], Callable[[str], str]] | None:
+        """The messages with special-token text swapped for private-use characters none of them
+        holds, and the function that swaps them back; None when no message holds any (unless `always`)."""
+        if self._marker is None:
+            return None if not always else (messages, lambda text: text)
+        strings = [v for m in messages for v in m.values() if isinstance(v, str)]
+        if not always and not any(self._marker.search(v) for v in strings):
+            return None
+        taken = {c for v in strings for c in _PRIVATE.findall(v)}
+        free = (chr(c) for c in range(_PRIVATE_FIRST, _PRIVATE_LAST + 1) if chr(c) not in taken)
+        to_char = {name: next(free) for name in self.special}
+        to_name = {c: name for name, c in to_char.items()}
+        back = re.compile("|".join(map(re.escape, to_name)))
+
+        def swap(value: object) -> object:
+            return self._marker.sub(lambda m: to_char[m.group()], value) if isinstance(value, str) else value
+
+        return ([{k: swap(v) for k, v in m.items()} for m in messages],
+                lambda text: back.sub(lambda m: to_name[m.group()], text))
+
+    def encode(self, templated: str, unescape: Callable[[str], str]) -> list[int]:
+        """Ids of the template's output: its markers as special tokens, the rest as plain text."""
+        ids: list[int] = []
+        start = 0
+        for marker in self._marker.finditer(templated):
+            ids += self._plain_ids(unescape(templated[start:marker.start()]))
+            ids.append(self.special[marker.group()])
+            start = marker.end()
+        return ids + self._plain_ids(unescape(templated[start:]))
+
+    def _plain_ids(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+
+
+# Unicode's supplementary private use area B: characters no tokenizer gives a meaning to.
+_PRIVATE_FIRST, _PRIVATE_LAST = 0x100000, 0x10FFFD
+_PRIVATE = re.compile("[\U00100000-\U0010FFFD]")
 
 PIECE_CHARS = 16_384
 CUT_SEARCH_CHARS = 1_024

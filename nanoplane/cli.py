@@ -61,10 +61,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def connect(args: argparse.Namespace):
+    """A Client of --server with the command's TLS and token flags (ValueError on a file it cannot read)."""
+    from nanoplane.clients.client import Client, read_token_file
+
+    token = args.auth_token or (read_token_file(args.auth_token_file) if args.auth_token_file else None)
+    return Client(args.server, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=token)
+
+
+def server_security(args: argparse.Namespace):
+    """The gRPC port's TLS and tokens, every file checked now: a bad one stops the command (exit 2)."""
+    from nanoplane.controlplane.security import ServerSecurity
+
+    return ServerSecurity.from_files(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file)
+
+
 def _generate_remote(args: argparse.Namespace) -> int:
     """Stream the answer from a running server, as it is generated."""
-    from nanoplane.clients.client import Client
-
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens)
     if args.sampling_seed is not None:
         sampling["seed"] = args.sampling_seed
@@ -72,7 +85,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     printed = False
     try:
-        with Client(args.server) as client:
+        with connect(args) as client:
             if args.raw:
                 chunks = client.generate(args.prompt, **sampling)
             else:
@@ -92,13 +105,15 @@ def _generate_remote(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from nanoplane.controlplane.service import run_serve
 
-    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind)
+    security = server_security(args)
+    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, security)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
     from nanoplane.controlplane.service import run_controlplane
 
-    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}")
+    security = server_security(args)
+    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", security)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -117,10 +132,8 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     import grpc
 
-    from nanoplane.clients.client import Client
-
     try:
-        with Client(args.server) as client:
+        with connect(args) as client:
             status = client.health(timeout=args.timeout)
     except grpc.RpcError as e:  # an unreachable server is simply not healthy
         print(f"nanoplane: {args.server} is not reachable: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -68,6 +68,9 @@ def env_name(flag: str) -> str:
 _ENGINE = ENGINE_COMMANDS
 _RANKS = _ENGINE - {"controlplane"} | {"dataplane"}  # where the data plane's options are flags
 _SAMPLING = frozenset({"generate"})
+_SERVING = frozenset({"serve", "controlplane"})
+_ASKING = frozenset({"generate", "health"})  # the commands that call a server (generate: with --server)
+_CLIENT_CERT = "PEM client certificate (chain) for mTLS, with --tls-key"
 
 OPTIONS: tuple[Option, ...] = (
     # The engine: LLM keywords, EngineConfig fields; those a data plane reads also reach its ranks.
@@ -125,6 +128,18 @@ OPTIONS: tuple[Option, ...] = (
            "then do not apply)", frozenset({"generate", "health"}), defaults={"health": f"127.0.0.1:{DEFAULT_PORT}"},
            helps={"health": "HOST:PORT of the server to ask"}),
     Option("timeout", float, 5.0, "seconds to wait for the answer", frozenset({"health"})),
+    # TLS, mTLS and bearer tokens on the gRPC port (controlplane/security.py; docs/operations.md).
+    Option("tls_cert", str, None, "PEM certificate (chain) of the gRPC API: serve TLS, with --tls-key; "
+           "re-read when it changes", _SERVING | _ASKING, helps={"generate": _CLIENT_CERT, "health": _CLIENT_CERT}),
+    Option("tls_key", str, None, "PEM private key of --tls-cert", _SERVING | _ASKING),
+    Option("tls_client_ca", str, None, "PEM CA certificate(s): clients must present a certificate one of them "
+           "signed (mTLS; needs --tls-cert)", _SERVING),
+    Option("tls_ca", str, None, "PEM CA certificate(s) to trust the server's certificate with (turns TLS on)",
+           _ASKING),
+    Option("auth_token_file", str, None, "bearer tokens, one a line, one of which every call but health must "
+           "carry; re-read when it changes and on SIGHUP", _SERVING | _ASKING,
+           helps={c: "file holding the bearer token to send (its first line but # comments)" for c in _ASKING}),
+    Option("auth_token", str, None, "bearer token to send (--auth-token-file keeps it out of ps)", _ASKING),
     # One prompt.
     Option("raw", bool, False, "send the prompt as is, without the chat template", _SAMPLING),
     Option("temperature", float, 0.0, "sampling temperature (0: greedy)", _SAMPLING),

@@ -58,8 +58,9 @@ class FlakyDataPlane:
 class ServerThread:
     """A server on its own event loop in a daemon thread, so tests can use the blocking client."""
 
-    def __init__(self, model: str, flaky: bool = False, front: str = "in-process"):
-        """`flaky` (in-process only): a FlakyDataPlane, and a recover hook that counts restarts."""
+    def __init__(self, model: str, flaky: bool = False, front: str = "in-process", security=None):
+        """`flaky` (in-process only): a FlakyDataPlane, and a recover hook that counts restarts.
+        `security`: the port's ServerSecurity (TLS, tokens), in-process only."""
         cfg = EngineConfig(model, device="cpu", max_model_len=MAX_LEN, num_kvcache_blocks=BLOCKS, max_num_seqs=SEQS)
         self.restarts = 0
         self.supervisor: DataPlaneSupervisor | None = None  # the engine process's data plane, as serve keeps it
@@ -76,7 +77,7 @@ class ServerThread:
                                                    block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
             self.plane = FlakyDataPlane(plane) if flaky else plane
             self.server = build_server(cfg, self.plane, recover=self.restart if flaky else None,
-                                       recover_interval_s=0.05)
+                                       recover_interval_s=0.05, security=security)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 
