@@ -132,6 +132,12 @@ class EngineLoop:
         add it before `start`."""
         self._stats_listeners.append(callback)
         self._step_times = []
+        self._collect_queue_times()
+
+    def _collect_queue_times(self) -> None:
+        """Have the engine's scheduler keep queue times from now on (it keeps none while nobody drains them)."""
+        if self._stats_listeners and self.engine is not None and self.engine.scheduler.queue_times is None:
+            self.engine.scheduler.queue_times = []
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams end with DataPlaneUnavailable) and close the engine."""
@@ -324,6 +330,7 @@ class EngineLoop:
         log.info("the data plane is ready%s: %d rank(s) on %s, %d step(s) in flight",
                  " again" if self._attached else "", len(engine.infos), engine.infos[0].device, engine.steps_in_flight)
         self.facts = EngineFacts.of(engine)
+        self._collect_queue_times()
         self._ready, self._unready_reason, self._attached = True, "", True
         self._notify(True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,6 +14,8 @@ from support.grpc_server import BLOCKS, FRONTS, ServerThread, rpc_error, wait_id
 from support.tiny_models import make_tiny_model
 
 from nanoplane.clients import Client
+from nanoplane.demo import serve_in_background
+from nanoplane.process import free_port
 
 VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:cache_config_info", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
@@ -22,6 +25,7 @@ VLLM = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache
 OURS = ("nanoplane_step_duration_seconds", "nanoplane_step_descriptor_bytes", "nanoplane_data_plane_epoch",
         "nanoplane_data_plane_restarts", "nanoplane_rank_heartbeat_age_seconds", "nanoplane_grpc_requests")
 GENERATE = "/nanoplane.v1.Generation/Generate"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +124,17 @@ def test_counters_follow_the_requests(server):
     if not server.in_process:  # ranks over ZeroMQ: descriptors are encoded, heartbeats kept
         assert delta(after, "nanoplane_step_descriptor_bytes_total") > 0
         assert 0 <= value(after, "nanoplane_rank_heartbeat_age_seconds", rank="0") < 5
+
+
+def test_nanoplane_serve_serves_the_metrics_port(model):
+    """The real command: `nanoplane serve --metrics-port` (the engine in its own process, the default)."""
+    port = free_port()
+    with serve_in_background(["--model", model, "--device", "cpu", "--metrics-port", str(port)], 120,
+                             cwd=ROOT) as (address, _):
+        with Client(address) as client:
+            chunks = list(client.generate([5, 6, 7], max_tokens=4, ignore_eos=True))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            families = {f.name: f.samples for f in text_string_to_metric_families(response.read().decode())}
+    assert not set(VLLM + OURS) - families.keys()
+    assert value(families, "vllm:generation_tokens_total", model_name="tiny") == chunks[-1].usage.completion_tokens
+    assert value(families, "nanoplane_grpc_requests_total", method=GENERATE, code="OK") == 1
