@@ -77,9 +77,16 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes.
     `metrics_address`: (host, port) of the Prometheus endpoint; None: no metrics."""
     set_gil_switch_interval()
+    metrics = Metrics(Path(config.model).name) if metrics_address is not None else None
+    if metrics is not None:  # first: a port in use is refused before anything starts
+        host, wanted = metrics_address
+        try:
+            metrics_port = metrics.serve(host, wanted)
+        except OSError as exc:
+            raise ValueError(f"cannot serve the metrics on {host}:{wanted}: {exc}") from None
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics_port)
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
-    metrics = Metrics(Path(config.model).name) if metrics_address is not None else None
     if isinstance(data_plane, str):
         server, plane_address = build_process_server(config, data_plane, address, metrics=metrics), data_plane
     else:
@@ -91,9 +98,6 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     log.info("gRPC API on %s (port %d), data plane at %s%s", address, port, plane_address,
              " (engine process)" if isinstance(data_plane, str) else "")
     print(f"nanoplane: serving {Path(config.model).name} on {address.rsplit(':', 1)[0]}:{port}", flush=True)
-    if metrics is not None:
-        metrics_port = metrics.serve(*metrics_address)
-        print(f"nanoplane: metrics on http://{metrics_address[0]}:{metrics_port}/metrics", flush=True)
     freeze_startup_objects()
     if ready is not None:
         ready.set()

@@ -3,6 +3,9 @@ counters follow the requests that ran (tokens, finish reasons, latencies, the pr
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -138,3 +141,15 @@ def test_nanoplane_serve_serves_the_metrics_port(model):
     assert not set(VLLM + OURS) - families.keys()
     assert value(families, "vllm:generation_tokens_total", model_name="tiny") == chunks[-1].usage.completion_tokens
     assert value(families, "nanoplane_grpc_requests_total", method=GENERATE, code="OK") == 1
+
+
+def test_a_metrics_port_in_use_stops_the_command_with_its_reason(model, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "nanoplane", "controlplane", "--model", model, "--host",
+                               "127.0.0.1", "--port", str(free_port()), "--bind", f"ipc://{tmp_path}/plane.sock",
+                               "--metrics-port", str(port)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert f"nanoplane: error: cannot serve the metrics on 127.0.0.1:{port}" in done.stderr
