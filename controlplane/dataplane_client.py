@@ -96,6 +96,7 @@ class RemoteDataPlane:
         self._liveness = Liveness()
         self._ignored, self._ignored_logged_at = 0, 0.0  # malformed messages not logged yet, and when we last did
         self._closed = False
+        self.descriptor_bytes = 0  # encoded step descriptors sent to one rank, in all (metrics)
         # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
         # do the same work themselves while they hold the lock.
         self._watcher = threading.Thread(target=self._watch, name="nanoplane-remote-watch", daemon=True)
@@ -128,6 +129,11 @@ class RemoteDataPlane:
         a = self._attached
         return {r.rank: r.pid for r in a.ranks.values()} if a else {}
 
+    def heartbeat_ages(self) -> list[float]:
+        """Seconds since each attached rank's latest heartbeat, by rank (the metrics); empty when none."""
+        a, now = self._attached, time.monotonic()
+        return [self._liveness.silent(a.ranks[i], now) for i in sorted(a.ranks)] if a else []
+
     def start(self, timeout: float | None = None) -> list[PlaneInfo]:
         """Attach a fresh data plane (one launched after any attached before) and return its handshakes.
 
@@ -158,6 +164,7 @@ class RemoteDataPlane:
     def submit(self, desc: StepDescriptor) -> None:
         """Send a step without waiting, so the engine can queue step N+1 while step N runs (overlap)."""
         frames = codec.encode_descriptor(desc)
+        self.descriptor_bytes += sum(memoryview(f).nbytes for f in frames)
         with self._lock:
             launch = self._require()
             for r in launch.ranks.values():

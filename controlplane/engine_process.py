@@ -23,7 +23,7 @@ from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.engine_loop import Delivery, EngineLoop
 from nanoplane.controlplane.errors import failure_kind
-from nanoplane.controlplane.front import EngineFacts, EngineStatus, Stream
+from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Stream
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.process import configure_logging, freeze_startup_objects, terminate
 from nanoplane.proto import engine_link as link
@@ -60,6 +60,11 @@ def readiness_event(ready: bool, facts: EngineFacts | None, reason: str) -> link
 def status_event(status: EngineStatus) -> link.Status:
     return link.Status(status.running, status.waiting, status.kv_blocks_total, status.kv_blocks_used,
                        status.data_plane_ready)
+
+
+def stats_event(stats: EngineStats) -> link.Stats:
+    return link.Stats(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.preemptions, stats.descriptor_bytes,
+                      stats.step_seconds, stats.queue_seconds, stats.epoch, stats.heartbeat_ages)
 
 
 def engine_main(launch: link.Launch) -> None:
@@ -99,6 +104,7 @@ def engine_main(launch: link.Launch) -> None:
 
     core = EngineLoop(None, deliver, attach, launch.recover_interval_s,
                       on_status=lambda status: events.send(link.encode(status_event(status))))
+    core.add_stats_listener(lambda stats: events.send(link.encode(stats_event(stats))))
     # The bare reason: ProcessFront.unavailable_message() wraps it in "the data plane is not available (...)".
     core.add_ready_listener(lambda ready: events.send(link.encode(
         readiness_event(ready, core.facts, core.unready_reason))))

@@ -65,6 +65,21 @@ class EngineStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What the engine did since its previous report (increments, observations) and the data plane's
+    state, for the metrics (controlplane/metrics.py); proto/engine_link.py's Stats, field for field."""
+
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of those, tokens found there
+    preemptions: int
+    descriptor_bytes: int  # step descriptors' encoded bytes sent to one rank
+    step_seconds: list[float]  # one observation per engine step that applied a result
+    queue_seconds: list[float]  # one per request admitted: arrival to first admission
+    epoch: int  # the attached data plane's epoch
+    heartbeat_ages: list[float]  # seconds since each rank's latest heartbeat, by rank; empty in-process
+
+
+@dataclass(frozen=True, slots=True)
 class EngineFacts:
     """The attached engine's sizes: enough to check a request before it is queued and to answer
     GetModelInfo. Fixed for an engine's life, so any thread may read them."""
@@ -149,6 +164,10 @@ class EngineFront(Protocol):
 
     def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
         """callback(ready) runs on a thread of the front's whenever the data plane's readiness changes."""
+
+    def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
+        """callback(stats) runs on a thread of the front's about every engine_loop.STATS_INTERVAL_S
+        while an engine is attached; add it before `start`."""
 
     def set_data_plane_ready(self, ready: bool, reason: str = "") -> None:
         """Readiness pushed from outside (a transport that lost or regained the plane); thread-safe."""

@@ -16,7 +16,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.engine_loop import Delivery, EngineLoop
 from nanoplane.controlplane.errors import DataPlaneUnavailable
-from nanoplane.controlplane.front import EngineFacts, EngineStatus, Output, Stream, read_stream, wait_for_free_id
+from nanoplane.controlplane.front import (
+    EngineFacts,
+    EngineStats,
+    EngineStatus,
+    Output,
+    Stream,
+    read_stream,
+    wait_for_free_id,
+)
 from nanoplane.controlplane.sampling_params import SamplingParams
 
 
@@ -81,6 +89,9 @@ class InProcessFront:
 
     def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
         self.loop.add_ready_listener(callback)
+
+    def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
+        self.loop.add_stats_listener(callback)
 
     def set_data_plane_ready(self, ready: bool, reason: str = "",
                              on_engine_thread: Callable[[Engine], None] | None = None) -> None:

@@ -44,7 +44,15 @@ import zmq
 from nanoplane.controlplane import runtime_dir
 from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.errors import DataPlaneUnavailable, failure_error
-from nanoplane.controlplane.front import EngineFacts, EngineStatus, Output, Stream, read_stream, wait_for_free_id
+from nanoplane.controlplane.front import (
+    EngineFacts,
+    EngineStats,
+    EngineStatus,
+    Output,
+    Stream,
+    read_stream,
+    wait_for_free_id,
+)
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.liveness import Liveness
@@ -94,6 +102,7 @@ class ProcessFront:
         self._unready_reason = "waiting for a data plane to attach"
         self._status = EngineStatus(0, 0, 0, 0, False)
         self._listeners: list[Callable[[bool], None]] = []
+        self._stats_listeners: list[Callable[[EngineStats], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._process: subprocess.Popen | None = None
         self._exited: int | None = None  # a pidfd of the engine process: readable once it has exited
@@ -169,6 +178,10 @@ class ProcessFront:
     def add_ready_listener(self, callback: Callable[[bool], None]) -> None:
         """callback(ready) runs on the event-reading thread whenever readiness changes."""
         self._listeners.append(callback)
+
+    def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
+        """callback(stats) runs on the event-reading thread for each of the engine process's reports."""
+        self._stats_listeners.append(callback)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine process (its open streams end with UNAVAILABLE) and release the sockets."""
@@ -253,6 +266,15 @@ class ProcessFront:
         elif isinstance(event, link.Status):
             self._status = EngineStatus(event.running, event.waiting, event.kv_blocks_total, event.kv_blocks_used,
                                         event.data_plane_ready)
+        elif isinstance(event, link.Stats):
+            stats = EngineStats(event.prefix_cache_queries, event.prefix_cache_hits, event.preemptions,
+                                event.descriptor_bytes, event.step_seconds, event.queue_seconds, event.epoch,
+                                event.heartbeat_ages)
+            for callback in self._stats_listeners:
+                try:
+                    callback(stats)
+                except Exception:
+                    log.exception("engine stats listener failed")
         elif isinstance(event, link.Readiness):
             if event.ready and event.facts is not None:  # down: GetModelInfo keeps answering, as in-process
                 f = event.facts

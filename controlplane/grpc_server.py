@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from nanoplane.controlplane.detokenizer import TextStream
 from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
 from nanoplane.controlplane.front import EngineFront, Output
+from nanoplane.controlplane.metrics import NO_REQUEST_METRICS, Metrics
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.sequence import FinishReason
@@ -102,8 +103,9 @@ def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, list[str
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str):
+    def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, metrics: Metrics | None = None):
         self.front = front
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.model_name = model_name
         # No token covers more characters than its vocabulary entry has (byte-level entries spell
@@ -173,6 +175,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         cached_prompt_tokens=out.num_cached_tokens)
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
+        measure = self.metrics.request() if self.metrics is not None else NO_REQUEST_METRICS
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id is {len(request.request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_CHARS} are allowed")
@@ -194,6 +197,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if first or response.finish_reason:
                     response.usage.CopyFrom(self._usage(out))
                 first = False
+                measure.output(out, text.stopped)
                 yield response
                 if text.stopped:
                     return
@@ -230,9 +234,14 @@ class GenerationServer:
     """grpc.aio server around an EngineFront. `await start()`, then `await stop()`."""
 
     def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0",
-                 options: list[tuple[str, object]] | None = None, security: ServerSecurity | None = None):
+                 options: list[tuple[str, object]] | None = None, security: ServerSecurity | None = None,
+                 metrics: Metrics | None = None):
+        """`metrics`: the registry to keep up to date (controlplane/metrics.py); its HTTP server is the caller's."""
         self.front = front
         self.security = security  # TLS, mTLS and bearer tokens (security.py); None: plaintext, open
+        self.metrics = metrics
+        if metrics is not None:
+            metrics.attach(front)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.address = address
@@ -246,9 +255,10 @@ class GenerationServer:
         """Bind, start serving and start the engine front; returns the bound port."""
         # Every service: health and reflection too answer a body that does not parse with INVALID_ARGUMENT.
         auth = self.security.interceptors() if self.security else []
-        server = grpc.aio.server(interceptors=[*auth, ExceptionToStatusInterceptor()], options=self.options)
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.front, self.tokenizer, self.model_name),
-                                                 server)
+        counting = [self.metrics.interceptor] if self.metrics is not None else []  # outermost: sees the final status
+        server = grpc.aio.server(interceptors=[*counting, *auth, ExceptionToStatusInterceptor()], options=self.options)
+        pb_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.front, self.tokenizer, self.model_name, self.metrics), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         service_names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                          reflection.SERVICE_NAME)

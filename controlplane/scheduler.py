@@ -11,6 +11,7 @@ recomputed later) and goes back to the front of the queue (behind a prompt mid-p
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -114,6 +115,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_chunked_prefills = 0  # steps that cut a prompt short, for tests and metrics
         self.num_mixed_steps = 0  # steps with decode rows and prompt chunks together, likewise
+        self.num_prefix_queries = 0  # tokens of requests looked up in the prefix cache at admission (metrics)
+        self.num_prefix_hits = 0  # of those, tokens found cached
+        # Seconds from arrival to first admission, per request, while a metrics reader drains them (None: nobody).
+        self.queue_times: list[float] | None = None
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -161,8 +166,14 @@ class Scheduler:
                 break
             if not seq.block_table:
                 self.block_manager.allocate(seq, num_cached_blocks)
+                self.num_prefix_queries += seq.num_tokens
+                self.num_prefix_hits += seq.num_computed_tokens
                 if seq.num_completion_tokens == 0:
                     seq.num_cached_prompt_tokens = seq.num_computed_tokens
+                if seq.queued_since is not None:
+                    if self.queue_times is not None:
+                        self.queue_times.append(time.monotonic() - seq.queued_since)
+                    seq.queued_since = None
             if seq.slot < 0:
                 seq.slot = self.free_slots.pop()
                 out.new_seqs.append(seq)

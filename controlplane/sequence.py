@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 from itertools import count
 
@@ -55,6 +56,7 @@ class Sequence:
         self.num_sent_blocks = 0
         self.num_pending = 0
         self.finish_reason: FinishReason | None = None
+        self.queued_since: float | None = time.monotonic()  # None once first admitted (the queue-time metric)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -26,6 +26,7 @@ from nanoplane.controlplane.engine import DataPlaneClient, Engine
 from nanoplane.controlplane.front_inproc import InProcessFront
 from nanoplane.controlplane.front_process import ProcessFront, engine_process_enabled
 from nanoplane.controlplane.grpc_server import GenerationServer
+from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.supervisor import DataPlaneSupervisor
 from nanoplane.controlplane.tokenizer import Tokenizer
@@ -42,13 +43,14 @@ def set_gil_switch_interval() -> None:
 def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str = "127.0.0.1:0",
                  model_name: str | None = None, recover: Callable[[Engine | None], Engine | None] | None = None,
                  recover_interval_s: float = 1.0, attach_now: bool = True,
-                 attach_timeout_s: float = 2.0, security: ServerSecurity | None = None) -> GenerationServer:
+                 attach_timeout_s: float = 2.0, security: ServerSecurity | None = None,
+                 metrics: Metrics | None = None) -> GenerationServer:
     """Tokenizer + in-process engine front + server, not yet started.
 
     attach_now: build the Engine here, which waits for the data plane (slow); otherwise the server
     starts at once, answers NOT_SERVING, and the engine thread attaches the data plane when it comes.
     recover: see EngineLoop; by default a new Engine over the same data-plane client, each attempt
-    waiting at most attach_timeout_s for ranks to report ready.
+    waiting at most attach_timeout_s for ranks to report ready. metrics: see GenerationServer.
     """
     tokenizer = Tokenizer(config.model)
 
@@ -57,32 +59,43 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
 
     engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
     return GenerationServer(InProcessFront(engine, recover or attach, recover_interval_s), tokenizer,
-                            model_name or Path(config.model).name, address, security=security)
+                            model_name or Path(config.model).name, address, security=security, metrics=metrics)
 
 
 def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
                          model_name: str | None = None, recover_interval_s: float = 1.0,
-                         attach_timeout_s: float = 2.0, security: ServerSecurity | None = None) -> GenerationServer:
+                         attach_timeout_s: float = 2.0, security: ServerSecurity | None = None,
+                         metrics: Metrics | None = None) -> GenerationServer:
     """build_server with the engine in its own process: the data plane attaches to the engine process
     at `data_plane_address` (which that process binds)."""
     tokenizer = Tokenizer(config.model)
     front = ProcessFront(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s)
-    return GenerationServer(front, tokenizer, model_name or Path(config.model).name, address, security=security)
+    return GenerationServer(front, tokenizer, model_name or Path(config.model).name, address, security=security,
+                            metrics=metrics)
 
 
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
-                 ready: threading.Event | None = None,
-                 on_data_plane_ready: Callable[[bool], None] | None = None,
-                 security: ServerSecurity | None = None) -> None:
+                 ready: threading.Event | None = None, on_data_plane_ready: Callable[[bool], None] | None = None,
+                 security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None) -> None:
     """`data_plane`: the socket ranks attach to (NANOPLANE_ENGINE_PROCESS=0), or the address that the
-    engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes."""
+    engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes.
+    `metrics_address`: (host, port) of the Prometheus endpoint; None: no metrics."""
     set_gil_switch_interval()
+    metrics = Metrics(Path(config.model).name) if metrics_address is not None else None
+    if metrics is not None:  # first: a port in use is refused before anything starts
+        host, wanted = metrics_address
+        try:
+            metrics_port = metrics.serve(host, wanted)
+        except OSError as exc:
+            raise ValueError(f"cannot serve the metrics on {host}:{wanted}: {exc}") from None
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics_port)
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
     if isinstance(data_plane, str):
-        server, plane_address = build_process_server(config, data_plane, address, security=security), data_plane
+        server, plane_address = (build_process_server(config, data_plane, address, security=security, metrics=metrics),
+                                 data_plane)
     else:
-        server = build_server(config, data_plane, address, attach_now=False, security=security)
+        server = build_server(config, data_plane, address, attach_now=False, security=security, metrics=metrics)
         plane_address = data_plane.address
     if on_data_plane_ready is not None:
         server.front.add_ready_listener(on_data_plane_ready)
@@ -106,27 +119,30 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down")
     await server.stop(grace=5.0)
+    if metrics is not None:
+        metrics.close()
     waiter.cancel()
     stopper.cancel()
 
 
-def run_controlplane(config: EngineConfig, bind: str, address: str, security: ServerSecurity | None = None) -> int:
+def run_controlplane(config: EngineConfig, bind: str, address: str, security: ServerSecurity | None = None,
+                     metrics_address: tuple[str, int] | None = None) -> int:
     configure_logging("controlplane")
     if engine_process_enabled():
         log.info("waiting for a data plane to connect to %s (engine process)", bind)
-        asyncio.run(_serve(config, bind, address, security=security))
+        asyncio.run(_serve(config, bind, address, security=security, metrics_address=metrics_address))
         return 0
     data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
     log.info("waiting for a data plane to connect to %s", data_plane.address)
     try:
-        asyncio.run(_serve(config, data_plane, address, security=security))
+        asyncio.run(_serve(config, data_plane, address, security=security, metrics_address=metrics_address))
     finally:
         data_plane.close()
     return 0
 
 
 def run_serve(config: EngineConfig, address: str, bind: str | None = None,
-              security: ServerSecurity | None = None) -> int:
+              security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None) -> int:
     """Both planes on this host: the control plane here, the data plane in a supervised child."""
     configure_logging("serve")
     tmp = runtime_dir.make()
@@ -137,7 +153,7 @@ def run_serve(config: EngineConfig, address: str, bind: str | None = None,
     supervisor.start()
     try:
         asyncio.run(_serve(config, data_plane or bind, address, on_data_plane_ready=supervisor.on_ready,
-                           security=security))
+                           security=security, metrics_address=metrics_address))
     finally:
         supervisor.stop()
         if data_plane is not None:

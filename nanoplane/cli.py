@@ -102,18 +102,27 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
+    """(host, port) of the /metrics endpoint, None when off; ValueError for a port that cannot be one."""
+    if not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port {args.metrics_port} is not a port (0 turns the metrics off, else 1-65535)")
+    return (args.metrics_host or args.host, args.metrics_port) if args.metrics_port else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from nanoplane.controlplane.service import run_serve
 
+    metrics = metrics_address(args)  # refused before the model is looked for
     security = server_security(args)
-    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, security)
+    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, security, metrics)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
     from nanoplane.controlplane.service import run_controlplane
 
+    metrics = metrics_address(args)
     security = server_security(args)
-    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", security)
+    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", security, metrics)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -122,6 +122,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", str, "127.0.0.1", "address of the gRPC API", frozenset({"serve", "controlplane"}),
            defaults={"controlplane": "0.0.0.0"}),
     Option("port", int, DEFAULT_PORT, "port of the gRPC API", frozenset({"serve", "controlplane"})),
+    Option("metrics_port", int, 0, "port of the Prometheus /metrics endpoint (0: off)",
+           frozenset({"serve", "controlplane"})),
+    Option("metrics_host", str, None, "address of the /metrics endpoint (none: the gRPC API's --host)",
+           frozenset({"serve", "controlplane"})),
     Option("bind", str, None, "ZeroMQ endpoint data planes connect to (serve: a private ipc:// socket)",
            frozenset({"serve", "controlplane"}), defaults={"controlplane": "tcp://0.0.0.0:5555"}),
     Option("server", str, None, "HOST:PORT of a running nanoplane to stream the answer from (the engine flags "

@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 MAGIC = b"NE"
-VERSION = 1
+VERSION = 2  # 2: the Stats event
 _HEADER = MAGIC + bytes([VERSION])
 
 
@@ -120,6 +120,21 @@ class Status(msgspec.Struct, frozen=True, tag=True, array_like=True):
     data_plane_ready: bool  # whether requests can run
 
 
+class Stats(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """What the engine did since its previous Stats (controlplane.front.EngineStats), sent about every
+    engine_loop.STATS_INTERVAL_S while an engine is attached: increments and observations, so that a
+    replaced engine process adds to the serving process's counters instead of resetting them."""
+
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int  # of those, tokens found there
+    preemptions: int  # running requests sent back to the queue for want of KV blocks
+    descriptor_bytes: int  # step descriptors' encoded bytes sent to one rank
+    step_seconds: list[float]  # one engine step call that applied a result, each
+    queue_seconds: list[float]  # from a request's arrival to its first admission, each
+    epoch: int  # the attached data plane's epoch
+    heartbeat_ages: list[float]  # seconds since each rank's latest heartbeat, by rank; empty in-process
+
+
 class Facts(msgspec.Struct, frozen=True, array_like=True):
     """The attached engine's sizes (controlplane.front.EngineFacts): enough to check a request before
     sending it and to answer GetModelInfo."""
@@ -140,7 +155,7 @@ class Readiness(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reason: str  # why it is down, bare (the serving side words it for clients); empty when up
 
 
-Event = Outputs | Beat | Status | Readiness
+Event = Outputs | Beat | Status | Stats | Readiness
 
 # ---- the engine process's start: its command line -------------------------------------------------
 

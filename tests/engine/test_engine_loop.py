@@ -14,9 +14,11 @@ import threading
 import numpy as np
 import pytest
 
+from nanoplane.controlplane import engine_loop
 from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.engine_loop import EngineLoop
+from nanoplane.controlplane.front import EngineStats
 from nanoplane.controlplane.front_inproc import InProcessFront
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
@@ -134,3 +136,44 @@ def test_ready_again_is_logged_on_a_reattach_only(engine_and_plane, caplog):
         loop.shutdown()
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the data plane is ready")]
     assert [m.split(":")[0] for m in ready] == ["the data plane is ready", "the data plane is ready again"]
+
+
+def test_stats_add_up_and_keep_coming_while_idle(engine_and_plane, monkeypatch):
+    monkeypatch.setattr(engine_loop, "STATS_INTERVAL_S", 0.05)
+    engine, _ = engine_and_plane
+    reports: list[EngineStats] = []
+
+    async def main() -> None:
+        front = InProcessFront(engine)
+        front.add_stats_listener(reports.append)
+        front.start()
+        try:
+            for _ in range(2):  # the second finds the first's two full blocks cached
+                async for _ in front.generate([7] * 40, SamplingParams(max_tokens=3, ignore_eos=True)):
+                    pass
+            await asyncio.sleep(0.1)
+            busy = len(reports)
+            await asyncio.sleep(0.5)
+            assert len(reports) >= busy + 3  # idle, the reports go on
+        finally:
+            front.shutdown()
+
+    asyncio.run(main())
+    assert sum(r.prefix_cache_queries for r in reports) == 80
+    assert sum(r.prefix_cache_hits for r in reports) == 32
+    assert len([t for r in reports for t in r.queue_seconds]) == 2
+    assert len([t for r in reports for t in r.step_seconds]) >= 4  # two prefills, two decode steps at least
+    assert all(r.epoch == 0 and r.preemptions == 0 and r.heartbeat_ages == [] for r in reports)
+
+
+def test_a_new_engine_counts_from_zero_not_from_the_old_ones_total(engine_and_plane):
+    engine, plane = engine_and_plane
+    loop = EngineLoop(engine, lambda batch: None)
+    reports: list[EngineStats] = []
+    loop.add_stats_listener(reports.append)
+    engine.scheduler.num_prefix_queries = 100
+    loop._report_stats()
+    loop.engine = Engine(engine.config, plane, (EOS,))  # a re-attach: its scheduler starts at 0
+    loop.engine.scheduler.num_prefix_queries = 30
+    loop._report_stats()
+    assert [r.prefix_cache_queries for r in reports] == [100, 30]

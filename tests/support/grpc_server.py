@@ -21,6 +21,7 @@ from nanoplane.clients import Client
 from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.front_inproc import InProcessFront
+from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.service import build_process_server, build_server
 from nanoplane.controlplane.supervisor import DataPlaneSupervisor
 from nanoplane.dataplane.config import DataPlaneConfig
@@ -58,9 +59,12 @@ class FlakyDataPlane:
 class ServerThread:
     """A server on its own event loop in a daemon thread, so tests can use the blocking client."""
 
-    def __init__(self, model: str, flaky: bool = False, front: str = "in-process", security=None):
+    def __init__(self, model: str, flaky: bool = False, front: str = "in-process", security=None,
+                 metrics: bool = False):
         """`flaky` (in-process only): a FlakyDataPlane, and a recover hook that counts restarts.
-        `security`: the port's ServerSecurity (TLS, tokens), in-process only."""
+        `security`: the port's ServerSecurity (TLS, tokens), in-process only.
+        `metrics`: keep a Metrics registry and serve it on 127.0.0.1:`metrics_port`."""
+        self.metrics = Metrics("tiny") if metrics else None
         cfg = EngineConfig(model, device="cpu", max_model_len=MAX_LEN, num_kvcache_blocks=BLOCKS, max_num_seqs=SEQS)
         self.restarts = 0
         self.supervisor: DataPlaneSupervisor | None = None  # the engine process's data plane, as serve keeps it
@@ -69,7 +73,7 @@ class ServerThread:
             assert not flaky, "a FlakyDataPlane lives in this process; the engine process has its own client"
             self._dir = tempfile.TemporaryDirectory(prefix="nanoplane-test-")
             plane_address = f"ipc://{self._dir.name}/plane.sock"
-            self.server = build_process_server(cfg, plane_address, recover_interval_s=0.05)
+            self.server = build_process_server(cfg, plane_address, recover_interval_s=0.05, metrics=self.metrics)
             self.supervisor = DataPlaneSupervisor(dataplane_argv(cfg, plane_address), min_restart_interval_s=0.5)
             self.server.front.add_ready_listener(self.supervisor.on_ready)
         else:
@@ -77,7 +81,7 @@ class ServerThread:
                                                    block_size=cfg.kvcache_block_size, num_kvcache_blocks=BLOCKS))
             self.plane = FlakyDataPlane(plane) if flaky else plane
             self.server = build_server(cfg, self.plane, recover=self.restart if flaky else None,
-                                       recover_interval_s=0.05, security=security)
+                                       recover_interval_s=0.05, security=security, metrics=self.metrics)
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 
@@ -90,6 +94,7 @@ class ServerThread:
         threading.Thread(target=run, daemon=True).start()
         assert started.wait(60)
         self.address = f"127.0.0.1:{self.server.port}"
+        self.metrics_port = self.metrics.serve("127.0.0.1", 0) if self.metrics is not None else 0
         if self.supervisor is not None:
             self.supervisor.start()
             deadline = time.monotonic() + 120
@@ -118,6 +123,8 @@ class ServerThread:
                 self.supervisor.stop()
             if self._dir is not None:
                 self._dir.cleanup()
+            if self.metrics is not None:
+                self.metrics.close()
 
 
 def wait_idle(client: Client, timeout: float = 10.0) -> pb.ServerStatus:

@@ -161,3 +161,20 @@ def test_waiting_for_a_server_that_never_answers_keeps_its_timeout():
             with pytest.raises(TimeoutError):
                 client.wait_until_serving(2.0)
             assert time.monotonic() - start < 6.0
+
+
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_a_metrics_port_that_is_no_port_is_refused_before_anything_starts(port, capsys):
+    assert main(["controlplane", "--metrics-port", port]) == 2
+    assert f"--metrics-port {port} is not a port" in capsys.readouterr().err
+
+
+def test_the_metrics_endpoint_follows_the_api_host_unless_told(monkeypatch):
+    from nanoplane.cli import metrics_address
+
+    parse = build_parser().parse_args
+    assert metrics_address(parse(["serve"])) is None  # off by default
+    assert metrics_address(parse(["serve", "--metrics-port", "9090"])) == ("127.0.0.1", 9090)
+    assert metrics_address(parse(["controlplane", "--metrics-port", "9090"])) == ("0.0.0.0", 9090)
+    monkeypatch.setenv("NANOPLANE_METRICS_HOST", "10.0.0.5")
+    assert metrics_address(parse(["serve", "--metrics-port", "9090"])) == ("10.0.0.5", 9090)

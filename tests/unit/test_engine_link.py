@@ -35,6 +35,8 @@ events = st.one_of(
     st.builds(link.Outputs, st.lists(deltas | failures, max_size=20)),
     st.just(link.Beat()),
     st.builds(link.Status, counts, counts, counts, counts, st.booleans()),
+    st.builds(link.Stats, counts, counts, counts, counts, st.lists(floats, max_size=20), st.lists(floats, max_size=20),
+              ints, st.lists(floats, max_size=8)),
     st.builds(link.Readiness, st.booleans(), st.none() | facts, texts))
 
 
@@ -98,8 +100,10 @@ def test_rejections_say_what_is_wrong():
         link.decode_event(b"NE")
     with pytest.raises(link.LinkError, match="not an engine-link message"):
         link.decode_event(b"XX" + frame[2:])
-    with pytest.raises(link.LinkError, match="version 2, this side speaks 1: run the same nanoplane release"):
-        link.decode_event(frame[:2] + bytes([2]) + frame[3:])
+    other = link.VERSION - 1
+    with pytest.raises(link.LinkError, match=f"version {other}, this side speaks {link.VERSION}: run the same "
+                       "nanoplane release"):
+        link.decode_event(frame[:2] + bytes([other]) + frame[3:])
     bad_kind = msgspec.msgpack.encode(["Outputs", [["Failure", 1, "bogus", "x"]]])
     with pytest.raises(link.LinkError, match="Invalid enum value 'bogus'"):
         link.decode_event(frame[:3] + bad_kind)
@@ -139,7 +143,7 @@ def test_launch_round_trip_and_version_check():
     launch = link.Launch(link.VERSION, {"model": "/m", "max_num_seqs": 8, "cpu_kvcache_gib": 2.0,
                                         "enforce_eager": False}, "ipc:///p", "ipc:///c", "ipc:///e", [2, 3], 1.0, 2.0)
     assert link.decode_launch(link.encode_launch(launch)) == launch
-    with pytest.raises(link.LinkError, match="version 9, this engine process speaks 1"):
+    with pytest.raises(link.LinkError, match=f"version 9, this engine process speaks {link.VERSION}"):
         link.decode_launch(link.encode_launch(msgspec.structs.replace(launch, version=9)))
     with pytest.raises(link.LinkError, match="malformed engine-process launch"):
         link.decode_launch("{not json")
