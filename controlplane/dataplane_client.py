@@ -13,6 +13,11 @@ code, so its supervisor restarts it; that new launch starts with empty slots and
 must therefore abort the requests in flight when it catches `DataPlaneUnavailable`, call `start()`
 again and continue with fresh step ids and the new epoch. Messages of retired launches are ignored
 and their ranks are told to shut down.
+
+Only the attached launch's own sockets are heard: the ROUTER identities a launch's ranks said HELLO
+(liveness) and READY (data) from, and the one its launcher said HELLO from as rank -1. Anything else
+from another peer, a fatal RESULT included, is dropped and logged once per peer. With `keys`, the
+socket is a CURVE server that accepts only the authorised data-plane keys (nanoplane/plane_keys.py).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from nanoplane.controlplane.errors import (
     DataPlaneUnavailable,  # one "data plane gone" error; the API maps it to UNAVAILABLE
 )
 from nanoplane.liveness import Liveness
+from nanoplane.plane_keys import PlaneKeys
 from nanoplane.process import terminate
 from nanoplane.proto import codec
 from nanoplane.proto.exit_codes import ExitCode
@@ -54,6 +61,10 @@ class _Launch:
     world_size: int
     ranks: dict[int, _Rank] = field(default_factory=dict)
 
+    def sent(self, ident: bytes) -> bool:
+        """Whether `ident` is one of this launch's ranks' sockets."""
+        return any(ident in (r.beat_ident, r.data_ident) for r in self.ranks.values())
+
     def complete(self) -> bool:
         return len(self.ranks) == self.world_size and all(r.info is not None for r in self.ranks.values())
 
@@ -66,19 +77,31 @@ RETIRED_KEPT = 1024
 # would otherwise keep a drain going, and the engine waiting for the lock, as long as the flood lasts.
 # ZeroMQ's ROUTER takes turns between peers, so the ranks' beats and results still get read.
 PUMP_MAX = 1000
+# Peers whose dropped messages were logged (once each); forgotten in bulk past this many.
+DROPPED_PEERS_KEPT = 1024
+LAUNCHER_RANK = -1  # the rank a launcher says HELLO as: its socket only tells of ranks that exited
 
 
 class RemoteDataPlane:
     def __init__(self, address: str, world_size: int | None = None, *, heartbeat_timeout: float = 2.5,
-                 step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0):
-        """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any."""
+                 step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0,
+                 keys: PlaneKeys | None = None):
+        """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any;
+        `keys`: CURVE, accepting only the data planes whose public keys are in keys.authorized."""
         self.world_size = world_size
         if step_timeout is None:  # a rank that beats but never answers (a hung GPU) is caught only by this
             step_timeout = read_tuning().step_timeout
         self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
         self.start_timeout, self.pending_timeout = start_timeout, pending_timeout
         self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            # pyzmq's ZAP handler: a peer without an authorised key never completes its handshake.
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("nanoplane.plane_auth"))
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=keys.authorized)
+            keys.apply(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a departed rank fails instead of vanishing
         # A blocking recv with a timeout, not Socket.poll (which builds a Poller per call): the
         # execute loop waits in recv and wakes at least every 100 ms for liveness checks.
@@ -88,6 +111,7 @@ class RemoteDataPlane:
         self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
         self._launches: dict[int, _Launch] = {}
         self._retired: dict[int, None] = {}  # an ordered set: see RETIRED_KEPT
+        self._launchers: dict[int, bytes] = {}  # launch id -> its launcher's socket, RETIRED_KEPT newest
         self._attached: _Launch | None = None
         self._failure = "no data plane attached yet"
         self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
@@ -95,6 +119,7 @@ class RemoteDataPlane:
         # The ranks' last words, judged every ~0.1 s (_check): a stall of this process is not held against them.
         self._liveness = Liveness()
         self._ignored, self._ignored_logged_at = 0, 0.0  # malformed messages not logged yet, and when we last did
+        self._dropped_peers: set[bytes] = set()  # peers not of the attached launch whose messages were logged
         self._closed = False
         # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
         # do the same work themselves while they hold the lock.
@@ -207,6 +232,8 @@ class RemoteDataPlane:
             self._failure = "the data-plane client is closed"
             self._sock.close(linger=1000 if stop_data_plane else 0)
         self._watcher.join(timeout=5)
+        if self._auth is not None:
+            self._auth.stop()
         terminate(self._ctx, "data-plane")
 
     # Everything below runs with self._lock held.
@@ -258,7 +285,9 @@ class RemoteDataPlane:
             launch, step_id = self._attached, msg.result.step_id
             if launch is None or msg.epoch != launch.epoch:
                 return  # a retired data plane's late answer
-            if msg.fatal:
+            if not any(ident == r.data_ident for r in launch.ranks.values()):
+                self._drop(ident, msg)
+            elif msg.fatal:
                 self._fail(msg.result.error)
             elif ident == launch.ranks[0].data_ident and self._pending.get(step_id, 0) is None:
                 self._pending[step_id] = msg.result
@@ -270,15 +299,28 @@ class RemoteDataPlane:
             if r is None:
                 self._send(ident, codec.Shutdown(ExitCode.RESTART, "unknown data plane (it was replaced, or the "
                                                                "control plane restarted)"))
+            elif ident != r.beat_ident:
+                self._drop(ident, msg)
             else:
                 self._liveness.heard(r, now)
-                r.beat_ident = ident
                 self._send(ident, codec.Heartbeat(msg.launch_id, msg.epoch, -1))
+        elif isinstance(msg, codec.RankExited):
+            launch = self._launches.get(msg.launch_id)
+            if ident != self._launchers.get(msg.launch_id):
+                self._drop(ident, msg)
+            elif launch is None:
+                pass  # a retired launch, or one whose ranks never said hello
+            elif launch is self._attached:
+                self._fail(f"rank {msg.rank} exited with code {msg.exit_code} (its launcher says)")
+            else:
+                self._retire(launch, ExitCode.RESTART, f"rank {msg.rank} exited before the data plane attached")
         elif isinstance(msg, codec.Ready):
             launch = self._launches.get(msg.launch_id)
             r = launch.ranks.get(msg.info.rank) if launch is not None else None
             if r is None or msg.info.epoch != launch.epoch or msg.info.world_size != launch.world_size:
                 log.warning("ignored READY of an unknown or inconsistent rank: %s", msg.info)
+            elif ident != r.data_ident and (r.data_ident or launch.sent(ident)):
+                self._drop(ident, msg)  # a rank's data socket is the one it first said READY from
             else:
                 r.data_ident, r.info = ident, msg.info
                 self._liveness.heard(r, now)
@@ -291,7 +333,24 @@ class RemoteDataPlane:
         else:
             log.warning("ignored an unexpected %s from peer %s", type(msg).__name__, ident.hex())
 
+    def _drop(self, ident: bytes, msg: codec.Message) -> None:
+        """A message that claims a launch's rank but comes from another socket: never acted on."""
+        if ident in self._dropped_peers:
+            return
+        if len(self._dropped_peers) >= DROPPED_PEERS_KEPT:
+            self._dropped_peers.clear()
+        self._dropped_peers.add(ident)
+        log.warning("dropped a %s from peer %s, which is not a socket of the launch it names (logged once a peer)",
+                    type(msg).__name__, ident.hex())
+
     def _hello(self, ident: bytes, msg: codec.Hello, now: float) -> None:
+        if msg.rank == LAUNCHER_RANK:  # before its ranks start: it makes no launch, only names its socket
+            known = self._launchers.setdefault(msg.launch_id, ident)  # the first word; a forger's later changes nothing
+            if known != ident:
+                self._drop(ident, msg)
+            elif len(self._launchers) > RETIRED_KEPT:
+                del self._launchers[next(iter(self._launchers))]
+            return
         if msg.launch_id in self._retired:
             self._send(ident, codec.Shutdown(ExitCode.RESTART, "this data plane was retired; restart it to re-attach"))
             return
@@ -308,8 +367,9 @@ class RemoteDataPlane:
         r = launch.ranks.get(msg.rank)
         if r is None:
             r = launch.ranks[msg.rank] = _Rank(msg.rank, msg.pid, ident)
-        else:
-            r.beat_ident, r.pid = ident, msg.pid
+        elif ident != r.beat_ident:
+            self._drop(ident, msg)
+            return
         self._liveness.heard(r, now)
         self._send(ident, codec.Welcome(msg.launch_id, launch.epoch))
 

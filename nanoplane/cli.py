@@ -6,6 +6,7 @@
     nanoplane controlplane --model DIR --bind tcp://0.0.0.0:5555   # the planes apart (containers)
     nanoplane dataplane --model DIR --control tcp://controlplane:5555 --tensor-parallel-size 2
     nanoplane health --server 127.0.0.1:50051        # exit 0 while SERVING
+    nanoplane keys DIR                               # CURVE keys of the plane link (--plane-keys DIR)
 
 Every flag is defined in nanoplane/settings.py and takes its default from the environment, read only
 for the command being run: --max-num-seqs from NANOPLANE_MAX_NUM_SEQS, and so on. This module launches
@@ -92,13 +93,14 @@ def _generate_remote(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from nanoplane.controlplane.service import run_serve
 
-    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind)
+    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, args.plane_keys, args.insecure_plane)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
     from nanoplane.controlplane.service import run_controlplane
 
-    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}")
+    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", args.plane_keys,
+                            args.insecure_plane)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -112,6 +114,18 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     from nanoplane.dataplane.launcher import launch
 
     return launch(args)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from nanoplane.plane_keys import write_keys
+
+    try:
+        written = write_keys(args.dir)
+    except FileExistsError as e:
+        print(f"nanoplane: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(str(p) for p in written))
+    return 0
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -145,6 +159,7 @@ COMMANDS = {
     "demo": "start the service, stream one answer through the gRPC client, stop",
     "dataplane": "the data plane: one process per tensor-parallel rank",
     "health": "exit 0 while the server's health service says SERVING",
+    "keys": "write the plane link's CURVE keys into DIR: the control plane's and the data planes' keypairs",
 }
 
 
@@ -153,13 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     funcs = {"generate": cmd_generate, "serve": cmd_serve, "controlplane": cmd_controlplane, "demo": cmd_demo,
-             "dataplane": cmd_dataplane, "health": cmd_health}
+             "dataplane": cmd_dataplane, "health": cmd_health, "keys": cmd_keys}
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == "generate":
             p.add_argument("prompt")
         elif name == "demo":
             p.add_argument("prompt", nargs="?", default="What is the capital of France?")
+        elif name == "keys":
+            p.add_argument("dir", help="folder to write (created if missing); see docs/operations.md, \"Securing "
+                                       "the plane link\"")
         settings.add_options(p, name)
         p.set_defaults(func=funcs[name])
     return parser
