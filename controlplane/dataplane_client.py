@@ -26,7 +26,6 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -34,6 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from nanoplane.controlplane.errors import (
     DataPlaneUnavailable,  # one "data plane gone" error; the API maps it to UNAVAILABLE
 )
+from nanoplane.controlplane.launches import Launch, Rank
 from nanoplane.liveness import Liveness
 from nanoplane.plane_keys import PlaneKeys
 from nanoplane.process import terminate
@@ -43,30 +43,6 @@ from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
 from nanoplane.settings import read_tuning
 
 log = logging.getLogger("nanoplane.dataplane_client")
-
-
-@dataclass(slots=True, eq=False)  # compared by identity: a rank is its own key in the Liveness
-class _Rank:
-    rank: int
-    pid: int
-    beat_ident: bytes  # ROUTER identity of the rank's liveness socket
-    data_ident: bytes = b""  # ROUTER identity of the rank's data socket, known from READY
-    info: PlaneInfo | None = None
-
-
-@dataclass(slots=True)
-class _Launch:
-    launch_id: int
-    epoch: int
-    world_size: int
-    ranks: dict[int, _Rank] = field(default_factory=dict)
-
-    def sent(self, ident: bytes) -> bool:
-        """Whether `ident` is one of this launch's ranks' sockets."""
-        return any(ident in (r.beat_ident, r.data_ident) for r in self.ranks.values())
-
-    def complete(self) -> bool:
-        return len(self.ranks) == self.world_size and all(r.info is not None for r in self.ranks.values())
 
 
 # Retired launch ids remembered, newest last: a retired launch's ranks may say hello again until their
@@ -109,10 +85,10 @@ class RemoteDataPlane:
         self._sock.bind(address)
         self.address: str = self._sock.last_endpoint.decode()
         self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
-        self._launches: dict[int, _Launch] = {}
+        self._launches: dict[int, Launch] = {}
         self._retired: dict[int, None] = {}  # an ordered set: see RETIRED_KEPT
         self._launchers: dict[int, bytes] = {}  # launch id -> its launcher's socket, RETIRED_KEPT newest
-        self._attached: _Launch | None = None
+        self._attached: Launch | None = None
         self._failure = "no data plane attached yet"
         self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
         self._next_epoch = 1
@@ -285,12 +261,13 @@ class RemoteDataPlane:
             launch, step_id = self._attached, msg.result.step_id
             if launch is None or msg.epoch != launch.epoch:
                 return  # a retired data plane's late answer
-            if not any(ident == r.data_ident for r in launch.ranks.values()):
-                self._drop(ident, msg)
+            if ident == launch.ranks[0].data_ident and not msg.fatal:
+                if self._pending.get(step_id, 0) is None:
+                    self._pending[step_id] = msg.result
+            elif not any(ident == r.data_ident for r in launch.ranks.values()):
+                self._drop(ident, msg)  # whatever it says: a forged fatal result would end every stream
             elif msg.fatal:
                 self._fail(msg.result.error)
-            elif ident == launch.ranks[0].data_ident and self._pending.get(step_id, 0) is None:
-                self._pending[step_id] = msg.result
         elif isinstance(msg, codec.Hello):
             self._hello(ident, msg, now)
         elif isinstance(msg, codec.Heartbeat):
@@ -356,7 +333,7 @@ class RemoteDataPlane:
             return
         launch = self._launches.get(msg.launch_id)
         if launch is None:
-            launch = self._launches[msg.launch_id] = _Launch(msg.launch_id, self._next_epoch, msg.world_size)
+            launch = self._launches[msg.launch_id] = Launch(msg.launch_id, self._next_epoch, msg.world_size)
             self._next_epoch += 1
         expected = self.world_size or launch.world_size
         if msg.world_size != expected or not 0 <= msg.rank < msg.world_size:
@@ -366,7 +343,7 @@ class RemoteDataPlane:
             return
         r = launch.ranks.get(msg.rank)
         if r is None:
-            r = launch.ranks[msg.rank] = _Rank(msg.rank, msg.pid, ident)
+            r = launch.ranks[msg.rank] = Rank(msg.rank, msg.pid, ident)
         elif ident != r.beat_ident:
             self._drop(ident, msg)
             return
@@ -390,7 +367,7 @@ class RemoteDataPlane:
                                                      for r in pending.ranks.values()):
                 self._retire(pending, ExitCode.RESTART, "a rank of this data plane went silent before it attached")
 
-    def _require(self) -> _Launch:
+    def _require(self) -> Launch:
         if self._attached is None:
             raise DataPlaneUnavailable(self._failure)
         return self._attached
@@ -405,7 +382,7 @@ class RemoteDataPlane:
         self._attached = None
         self._pending.clear()
 
-    def _retire(self, launch: _Launch, exit_code: int, reason: str) -> None:
+    def _retire(self, launch: Launch, exit_code: int, reason: str) -> None:
         self._launches.pop(launch.launch_id, None)
         self._retired[launch.launch_id] = None
         if len(self._retired) > RETIRED_KEPT:
@@ -416,7 +393,7 @@ class RemoteDataPlane:
             if r.data_ident:
                 self._send(r.data_ident, codec.Shutdown(exit_code, reason))
 
-    def _attach(self, launch: _Launch) -> list[PlaneInfo]:
+    def _attach(self, launch: Launch) -> list[PlaneInfo]:
         for other in list(self._launches.values()):
             if other.epoch < launch.epoch:
                 self._retire(other, ExitCode.RESTART, "a newer data plane attached")
