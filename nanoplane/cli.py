@@ -3,10 +3,10 @@
     nanoplane serve                                  # both planes on this host, the default model
     nanoplane generate --server 127.0.0.1:50051 "What is the capital of France?"   # stream an answer
     nanoplane generate "..."                         # no server: the embedded engine
-    nanoplane controlplane --model DIR --bind tcp://0.0.0.0:5555   # the planes apart (containers)
-    nanoplane dataplane --model DIR --control tcp://controlplane:5555 --tensor-parallel-size 2
+    nanoplane keys ./plane-keys                      # the plane link's CURVE keys, once
+    nanoplane controlplane --model DIR --bind tcp://0.0.0.0:5555 --plane-keys ./plane-keys   # the planes apart
+    nanoplane dataplane --model DIR --control tcp://controlplane:5555 --plane-keys ./plane-keys
     nanoplane health --server 127.0.0.1:50051        # exit 0 while SERVING
-    nanoplane keys DIR                               # CURVE keys of the plane link (--plane-keys DIR)
 
 Every flag is defined in nanoplane/settings.py and takes its default from the environment, read only
 for the command being run: --max-num-seqs from NANOPLANE_MAX_NUM_SEQS, and so on. This module launches
