@@ -82,7 +82,14 @@ class RemoteDataPlane:
         # A blocking recv with a timeout, not Socket.poll (which builds a Poller per call): the
         # execute loop waits in recv and wakes at least every 100 ms for liveness checks.
         self._sock.rcvtimeo = 100
-        self._sock.bind(address)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError:  # a taken port or a bad address: leave no thread or context behind
+            if self._auth is not None:
+                self._auth.stop()
+            self._sock.close(0)
+            self._ctx.term()
+            raise
         self.address: str = self._sock.last_endpoint.decode()
         self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
         self._launches: dict[int, Launch] = {}

@@ -101,3 +101,4 @@ def test_the_launchers_notice_ends_the_steps_at_once(attached):
     with pytest.raises(DataPlaneUnavailable, match="rank 0 exited with code 137"):
         running.result(5)
     assert time.monotonic() - start < 0.5 and not client.ready  # the heartbeat timeout is 3 s
+

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,3 +109,15 @@ def test_tcp_without_keys_refuses_to_start(argv, model):
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "--plane-keys" in lines[0] and "--insecure-plane" in lines[0]
     assert time.monotonic() - start < 30
+
+
+def test_a_taken_port_with_keys_leaves_no_authenticator_behind(tmp_path):
+    write_keys(tmp_path)
+    first = RemoteDataPlane("tcp://127.0.0.1:*", world_size=1, keys=PlaneKeys.control_plane(tmp_path))
+    try:
+        threads = threading.active_count()
+        with pytest.raises(zmq.ZMQError):
+            RemoteDataPlane(first.address, world_size=1, keys=PlaneKeys.control_plane(tmp_path))
+        assert threading.active_count() == threads
+    finally:
+        first.close()
