@@ -46,10 +46,10 @@ log = logging.getLogger("nanoplane.dataplane_client")
 
 
 # Retired launch ids remembered, newest last: a retired launch's ranks may say hello again until their
-# control timeout ends them, and are told to go. Older ones are long gone, and the data-plane port has
-# no authentication, so a flood of made-up launches must not grow the set without bound.
+# control timeout ends them, and are told to go. Older ones are long gone, and without keys (ipc,
+# --insecure-plane) anyone can reach the port: a flood of made-up launches must not grow the set without bound.
 RETIRED_KEPT = 1024
-# Messages handled per drain while holding the lock. A peer flooding the port (it has no authentication)
+# Messages handled per drain while holding the lock. A peer flooding the port (without keys anyone can)
 # would otherwise keep a drain going, and the engine waiting for the lock, as long as the flood lasts.
 # ZeroMQ's ROUTER takes turns between peers, so the ranks' beats and results still get read.
 PUMP_MAX = 1000
