@@ -13,6 +13,11 @@ code, so its supervisor restarts it; that new launch starts with empty slots and
 must therefore abort the requests in flight when it catches `DataPlaneUnavailable`, call `start()`
 again and continue with fresh step ids and the new epoch. Messages of retired launches are ignored
 and their ranks are told to shut down.
+
+Only the attached launch's own sockets are heard: the ROUTER identities a launch's ranks said HELLO
+(liveness) and READY (data) from, and the one its launcher said HELLO from as rank -1. Anything else
+from another peer, a fatal RESULT included, is dropped and logged once per peer. With `keys`, the
+socket is a CURVE server that accepts only the authorised data-plane keys (nanoplane/plane_keys.py).
 """
 
 from __future__ import annotations
@@ -21,14 +26,16 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from nanoplane.controlplane.errors import (
     DataPlaneUnavailable,  # one "data plane gone" error; the API maps it to UNAVAILABLE
 )
+from nanoplane.controlplane.launches import Launch, Rank
 from nanoplane.liveness import Liveness
+from nanoplane.plane_keys import PlaneKeys
 from nanoplane.process import terminate
 from nanoplane.proto import codec
 from nanoplane.proto.exit_codes import ExitCode
@@ -38,63 +45,64 @@ from nanoplane.settings import read_tuning
 log = logging.getLogger("nanoplane.dataplane_client")
 
 
-@dataclass(slots=True, eq=False)  # compared by identity: a rank is its own key in the Liveness
-class _Rank:
-    rank: int
-    pid: int
-    beat_ident: bytes  # ROUTER identity of the rank's liveness socket
-    data_ident: bytes = b""  # ROUTER identity of the rank's data socket, known from READY
-    info: PlaneInfo | None = None
-
-
-@dataclass(slots=True)
-class _Launch:
-    launch_id: int
-    epoch: int
-    world_size: int
-    ranks: dict[int, _Rank] = field(default_factory=dict)
-
-    def complete(self) -> bool:
-        return len(self.ranks) == self.world_size and all(r.info is not None for r in self.ranks.values())
-
-
 # Retired launch ids remembered, newest last: a retired launch's ranks may say hello again until their
-# control timeout ends them, and are told to go. Older ones are long gone, and the data-plane port has
-# no authentication, so a flood of made-up launches must not grow the set without bound.
+# control timeout ends them, and are told to go. Older ones are long gone, and without keys (ipc,
+# --insecure-plane) anyone can reach the port: a flood of made-up launches must not grow the set without bound.
 RETIRED_KEPT = 1024
-# Messages handled per drain while holding the lock. A peer flooding the port (it has no authentication)
+# Messages handled per drain while holding the lock. A peer flooding the port (without keys anyone can)
 # would otherwise keep a drain going, and the engine waiting for the lock, as long as the flood lasts.
 # ZeroMQ's ROUTER takes turns between peers, so the ranks' beats and results still get read.
 PUMP_MAX = 1000
+# Peers whose dropped messages were logged (once each); forgotten in bulk past this many.
+DROPPED_PEERS_KEPT = 1024
+LAUNCHER_RANK = -1  # the rank a launcher says HELLO as: its socket only tells of ranks that exited
 
 
 class RemoteDataPlane:
     def __init__(self, address: str, world_size: int | None = None, *, heartbeat_timeout: float = 2.5,
-                 step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0):
-        """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any."""
+                 step_timeout: float | None = None, start_timeout: float = 600.0, pending_timeout: float = 60.0,
+                 keys: PlaneKeys | None = None):
+        """Bind `address` (tcp://host:port, tcp://host:* or ipc:///path); `world_size` None accepts any;
+        `keys`: CURVE, accepting only the data planes whose public keys are in keys.authorized."""
         self.world_size = world_size
         if step_timeout is None:  # a rank that beats but never answers (a hung GPU) is caught only by this
             step_timeout = read_tuning().step_timeout
         self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
         self.start_timeout, self.pending_timeout = start_timeout, pending_timeout
         self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
+        if keys is not None:
+            # pyzmq's ZAP handler: a peer without an authorised key never completes its handshake.
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("nanoplane.plane_auth"))
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=keys.authorized)
+            keys.apply(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a departed rank fails instead of vanishing
         # A blocking recv with a timeout, not Socket.poll (which builds a Poller per call): the
         # execute loop waits in recv and wakes at least every 100 ms for liveness checks.
         self._sock.rcvtimeo = 100
-        self._sock.bind(address)
+        try:
+            self._sock.bind(address)
+        except zmq.ZMQError:  # a taken port or a bad address: leave no thread or context behind
+            if self._auth is not None:
+                self._auth.stop()
+            self._sock.close(0)
+            self._ctx.term()
+            raise
         self.address: str = self._sock.last_endpoint.decode()
         self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
-        self._launches: dict[int, _Launch] = {}
+        self._launches: dict[int, Launch] = {}
         self._retired: dict[int, None] = {}  # an ordered set: see RETIRED_KEPT
-        self._attached: _Launch | None = None
+        self._launchers: dict[int, bytes] = {}  # launch id -> its launcher's socket, RETIRED_KEPT newest
+        self._attached: Launch | None = None
         self._failure = "no data plane attached yet"
         self._pending: dict[int, StepResult | None] = {}  # submitted step id -> rank 0's result once in
         self._next_epoch = 1
         # The ranks' last words, judged every ~0.1 s (_check): a stall of this process is not held against them.
         self._liveness = Liveness()
         self._ignored, self._ignored_logged_at = 0, 0.0  # malformed messages not logged yet, and when we last did
+        self._dropped_peers: set[bytes] = set()  # peers not of the attached launch whose messages were logged
         self._closed = False
         self.descriptor_bytes = 0  # encoded step descriptors sent to one rank, in all (metrics)
         # Keeps answering heartbeats and checking ranks while the engine is idle; execute and start
@@ -214,6 +222,8 @@ class RemoteDataPlane:
             self._failure = "the data-plane client is closed"
             self._sock.close(linger=1000 if stop_data_plane else 0)
         self._watcher.join(timeout=5)
+        if self._auth is not None:
+            self._auth.stop()
         terminate(self._ctx, "data-plane")
 
     # Everything below runs with self._lock held.
@@ -265,10 +275,13 @@ class RemoteDataPlane:
             launch, step_id = self._attached, msg.result.step_id
             if launch is None or msg.epoch != launch.epoch:
                 return  # a retired data plane's late answer
-            if msg.fatal:
+            if ident == launch.ranks[0].data_ident and not msg.fatal:
+                if self._pending.get(step_id, 0) is None:
+                    self._pending[step_id] = msg.result
+            elif not any(ident == r.data_ident for r in launch.ranks.values()):
+                self._drop(ident, msg)  # whatever it says: a forged fatal result would end every stream
+            elif msg.fatal:
                 self._fail(msg.result.error)
-            elif ident == launch.ranks[0].data_ident and self._pending.get(step_id, 0) is None:
-                self._pending[step_id] = msg.result
         elif isinstance(msg, codec.Hello):
             self._hello(ident, msg, now)
         elif isinstance(msg, codec.Heartbeat):
@@ -277,15 +290,28 @@ class RemoteDataPlane:
             if r is None:
                 self._send(ident, codec.Shutdown(ExitCode.RESTART, "unknown data plane (it was replaced, or the "
                                                                "control plane restarted)"))
+            elif ident != r.beat_ident:
+                self._drop(ident, msg)
             else:
                 self._liveness.heard(r, now)
-                r.beat_ident = ident
                 self._send(ident, codec.Heartbeat(msg.launch_id, msg.epoch, -1))
+        elif isinstance(msg, codec.RankExited):
+            launch = self._launches.get(msg.launch_id)
+            if ident != self._launchers.get(msg.launch_id):
+                self._drop(ident, msg)
+            elif launch is None:
+                pass  # a retired launch, or one whose ranks never said hello
+            elif launch is self._attached:
+                self._fail(f"rank {msg.rank} exited with code {msg.exit_code} (its launcher says)")
+            else:
+                self._retire(launch, ExitCode.RESTART, f"rank {msg.rank} exited before the data plane attached")
         elif isinstance(msg, codec.Ready):
             launch = self._launches.get(msg.launch_id)
             r = launch.ranks.get(msg.info.rank) if launch is not None else None
             if r is None or msg.info.epoch != launch.epoch or msg.info.world_size != launch.world_size:
                 log.warning("ignored READY of an unknown or inconsistent rank: %s", msg.info)
+            elif ident != r.data_ident and (r.data_ident or launch.sent(ident)):
+                self._drop(ident, msg)  # a rank's data socket is the one it first said READY from
             else:
                 r.data_ident, r.info = ident, msg.info
                 self._liveness.heard(r, now)
@@ -298,13 +324,30 @@ class RemoteDataPlane:
         else:
             log.warning("ignored an unexpected %s from peer %s", type(msg).__name__, ident.hex())
 
+    def _drop(self, ident: bytes, msg: codec.Message) -> None:
+        """A message that claims a launch's rank but comes from another socket: never acted on."""
+        if ident in self._dropped_peers:
+            return
+        if len(self._dropped_peers) >= DROPPED_PEERS_KEPT:
+            self._dropped_peers.clear()
+        self._dropped_peers.add(ident)
+        log.warning("dropped a %s from peer %s, which is not a socket of the launch it names (logged once a peer)",
+                    type(msg).__name__, ident.hex())
+
     def _hello(self, ident: bytes, msg: codec.Hello, now: float) -> None:
+        if msg.rank == LAUNCHER_RANK:  # before its ranks start: it makes no launch, only names its socket
+            known = self._launchers.setdefault(msg.launch_id, ident)  # the first word; a forger's later changes nothing
+            if known != ident:
+                self._drop(ident, msg)
+            elif len(self._launchers) > RETIRED_KEPT:
+                del self._launchers[next(iter(self._launchers))]
+            return
         if msg.launch_id in self._retired:
             self._send(ident, codec.Shutdown(ExitCode.RESTART, "this data plane was retired; restart it to re-attach"))
             return
         launch = self._launches.get(msg.launch_id)
         if launch is None:
-            launch = self._launches[msg.launch_id] = _Launch(msg.launch_id, self._next_epoch, msg.world_size)
+            launch = self._launches[msg.launch_id] = Launch(msg.launch_id, self._next_epoch, msg.world_size)
             self._next_epoch += 1
         expected = self.world_size or launch.world_size
         if msg.world_size != expected or not 0 <= msg.rank < msg.world_size:
@@ -314,9 +357,10 @@ class RemoteDataPlane:
             return
         r = launch.ranks.get(msg.rank)
         if r is None:
-            r = launch.ranks[msg.rank] = _Rank(msg.rank, msg.pid, ident)
-        else:
-            r.beat_ident, r.pid = ident, msg.pid
+            r = launch.ranks[msg.rank] = Rank(msg.rank, msg.pid, ident)
+        elif ident != r.beat_ident:
+            self._drop(ident, msg)
+            return
         self._liveness.heard(r, now)
         self._send(ident, codec.Welcome(msg.launch_id, launch.epoch))
 
@@ -337,7 +381,7 @@ class RemoteDataPlane:
                                                      for r in pending.ranks.values()):
                 self._retire(pending, ExitCode.RESTART, "a rank of this data plane went silent before it attached")
 
-    def _require(self) -> _Launch:
+    def _require(self) -> Launch:
         if self._attached is None:
             raise DataPlaneUnavailable(self._failure)
         return self._attached
@@ -352,7 +396,7 @@ class RemoteDataPlane:
         self._attached = None
         self._pending.clear()
 
-    def _retire(self, launch: _Launch, exit_code: int, reason: str) -> None:
+    def _retire(self, launch: Launch, exit_code: int, reason: str) -> None:
         self._launches.pop(launch.launch_id, None)
         self._retired[launch.launch_id] = None
         if len(self._retired) > RETIRED_KEPT:
@@ -363,7 +407,7 @@ class RemoteDataPlane:
             if r.data_ident:
                 self._send(r.data_ident, codec.Shutdown(exit_code, reason))
 
-    def _attach(self, launch: _Launch) -> list[PlaneInfo]:
+    def _attach(self, launch: Launch) -> list[PlaneInfo]:
         for other in list(self._launches.values()):
             if other.epoch < launch.epoch:
                 self._retire(other, ExitCode.RESTART, "a newer data plane attached")

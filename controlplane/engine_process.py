@@ -70,6 +70,7 @@ def stats_event(stats: EngineStats) -> link.Stats:
 def engine_main(launch: link.Launch) -> None:
     """The engine process's body: serve the commands until Stop or the serving process's exit."""
     from nanoplane.controlplane.dataplane_client import RemoteDataPlane
+    from nanoplane.plane_keys import PlaneKeys
 
     configure_logging("engine")
     # Ctrl-C reaches the whole process group: the serving process stops this one in order (its
@@ -90,7 +91,8 @@ def engine_main(launch: link.Launch) -> None:
     beat = link.encode(link.Beat())
     beats.send(beat)
     last_beat = time.monotonic()
-    data_plane = RemoteDataPlane(launch.data_plane_address, world_size=config.tensor_parallel_size)
+    keys = PlaneKeys.control_plane(launch.plane_keys) if launch.plane_keys else None
+    data_plane = RemoteDataPlane(launch.data_plane_address, world_size=config.tensor_parallel_size, keys=keys)
     streams: dict[int, Stream] = {}  # key -> stream, for aborts
 
     def attach(old: Engine | None) -> Engine:

@@ -79,12 +79,12 @@ class ProcessFront:
     """EngineFront over an engine process (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, data_plane_address: str, eos_token_ids: tuple[int, ...],
-                 recover_interval_s: float = 1.0, attach_timeout_s: float = 2.0):
+                 recover_interval_s: float = 1.0, attach_timeout_s: float = 2.0, plane_keys: str = ""):
         self._dir = runtime_dir.make("engine-")
         fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "hf_config"}
         self._launch = link.encode_launch(link.Launch(
             link.VERSION, fields, data_plane_address, f"ipc://{self._dir}/commands.sock",
-            f"ipc://{self._dir}/events.sock", list(eos_token_ids), recover_interval_s, attach_timeout_s))
+            f"ipc://{self._dir}/events.sock", list(eos_token_ids), recover_interval_s, attach_timeout_s, plane_keys))
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PUSH)
         self._commands.setsockopt(zmq.SNDHWM, 0)  # a burst of requests must not look like a dead engine

@@ -30,6 +30,7 @@ from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.supervisor import DataPlaneSupervisor
 from nanoplane.controlplane.tokenizer import Tokenizer
+from nanoplane.plane_keys import plane_security
 from nanoplane.process import configure_logging, freeze_startup_objects
 from nanoplane.settings import dataplane_argv, read_tuning
 
@@ -65,18 +66,20 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
 def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
                          model_name: str | None = None, recover_interval_s: float = 1.0,
                          attach_timeout_s: float = 2.0, security: ServerSecurity | None = None,
-                         metrics: Metrics | None = None) -> GenerationServer:
+                         metrics: Metrics | None = None, plane_keys: str = "") -> GenerationServer:
     """build_server with the engine in its own process: the data plane attaches to the engine process
-    at `data_plane_address` (which that process binds)."""
+    at `data_plane_address` (which that process binds, with CURVE when `plane_keys` names a folder)."""
     tokenizer = Tokenizer(config.model)
-    front = ProcessFront(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s)
+    front = ProcessFront(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s,
+                         plane_keys)
     return GenerationServer(front, tokenizer, model_name or Path(config.model).name, address, security=security,
                             metrics=metrics)
 
 
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
                  ready: threading.Event | None = None, on_data_plane_ready: Callable[[bool], None] | None = None,
-                 security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None) -> None:
+                 security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None,
+                 plane_keys: str = "") -> None:
     """`data_plane`: the socket ranks attach to (NANOPLANE_ENGINE_PROCESS=0), or the address that the
     engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes.
     `metrics_address`: (host, port) of the Prometheus endpoint; None: no metrics."""
@@ -92,8 +95,9 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
     if isinstance(data_plane, str):
-        server, plane_address = (build_process_server(config, data_plane, address, security=security, metrics=metrics),
-                                 data_plane)
+        server = build_process_server(config, data_plane, address, security=security, metrics=metrics,
+                                      plane_keys=plane_keys)
+        plane_address = data_plane
     else:
         server = build_server(config, data_plane, address, attach_now=False, security=security, metrics=metrics)
         plane_address = data_plane.address
@@ -126,13 +130,17 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
 
 
 def run_controlplane(config: EngineConfig, bind: str, address: str, security: ServerSecurity | None = None,
-                     metrics_address: tuple[str, int] | None = None) -> int:
+                     metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
+                     insecure_plane: bool = False) -> int:
+    """ValueError (before anything starts) for a tcp:// `bind` without `plane_keys` unless `insecure_plane`."""
     configure_logging("controlplane")
+    keys = plane_security(bind, plane_keys, insecure_plane, "control plane")
     if engine_process_enabled():
         log.info("waiting for a data plane to connect to %s (engine process)", bind)
-        asyncio.run(_serve(config, bind, address, security=security, metrics_address=metrics_address))
+        asyncio.run(_serve(config, bind, address, security=security, metrics_address=metrics_address,
+                           plane_keys=plane_keys or ""))
         return 0
-    data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
+    data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size, keys=keys)
     log.info("waiting for a data plane to connect to %s", data_plane.address)
     try:
         asyncio.run(_serve(config, data_plane, address, security=security, metrics_address=metrics_address))
@@ -141,19 +149,24 @@ def run_controlplane(config: EngineConfig, bind: str, address: str, security: Se
     return 0
 
 
-def run_serve(config: EngineConfig, address: str, bind: str | None = None,
-              security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None) -> int:
+def run_serve(config: EngineConfig, address: str, bind: str | None = None, security: ServerSecurity | None = None,
+              metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
+              insecure_plane: bool = False) -> int:
     """Both planes on this host: the control plane here, the data plane in a supervised child."""
     configure_logging("serve")
+    keys = plane_security(bind or "", plane_keys, insecure_plane, "control plane")
     tmp = runtime_dir.make()
     bind = bind or f"ipc://{tmp}/plane.sock"
     # With the engine in its own process, that process binds the data plane's socket.
-    data_plane = None if engine_process_enabled() else RemoteDataPlane(bind, world_size=config.tensor_parallel_size)
-    supervisor = DataPlaneSupervisor(dataplane_argv(config, data_plane.address if data_plane else bind))
+    data_plane = None if engine_process_enabled() else RemoteDataPlane(bind, world_size=config.tensor_parallel_size,
+                                                                        keys=keys)
+    # The child reads the data plane's files of the same folder.
+    plane_flags = ["--plane-keys", plane_keys] if plane_keys else ["--insecure-plane"] if insecure_plane else []
+    supervisor = DataPlaneSupervisor(dataplane_argv(config, data_plane.address if data_plane else bind) + plane_flags)
     supervisor.start()
     try:
         asyncio.run(_serve(config, data_plane or bind, address, on_data_plane_ready=supervisor.on_ready,
-                           security=security, metrics_address=metrics_address))
+                           security=security, metrics_address=metrics_address, plane_keys=plane_keys or ""))
     finally:
         supervisor.stop()
         if data_plane is not None:

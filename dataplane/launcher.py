@@ -6,7 +6,9 @@
 a random launch id, so the control plane groups them into one epoch. If any rank dies the launcher
 kills the others and exits with a non-zero code: a partial tensor-parallel group is useless, and a
 supervisor (systemd, Kubernetes) restarting the whole launcher is the recovery path. Exit code 0
-means the control plane stopped the data plane on purpose.
+means the control plane stopped the data plane on purpose. The launcher has a socket of its own to the
+control plane (HELLO as rank -1 before the ranks start), on which it says which rank exited and how the
+moment it sees one go: the control plane ends the streams at once instead of after a heartbeat timeout.
 
 This module does not import torch; each rank imports it in its own process.
 """
@@ -23,15 +25,20 @@ import signal
 import sys
 from multiprocessing.connection import wait
 
+import zmq
+
 from nanoplane.dataplane.config import DataPlaneConfig
-from nanoplane.dataplane.worker import WorkerOptions, run_rank
+from nanoplane.dataplane.worker import WorkerOptions, plane_socket, run_rank
+from nanoplane.plane_keys import plane_security
 from nanoplane.process import configure_logging, free_port
+from nanoplane.proto import codec
 from nanoplane.proto.exit_codes import ExitCode, killed_by
 from nanoplane.settings import add_options
 
 # rank and epoch are not flags: the launcher numbers the ranks, the control plane assigns the epoch.
 _NOT_FLAGS = {"model", "rank", "world_size", "epoch"}
 STOP_GRACE_S = 5.0
+NOTICE_LINGER_MS = 1000  # how long the launcher's last word (a rank exited) may take to leave
 
 log = logging.getLogger("nanoplane.launcher")
 
@@ -59,8 +66,45 @@ def launch(args: argparse.Namespace) -> int:
     fields.update(model=args.model, world_size=args.world_size)
     if args.world_size > 1 and not fields["dist_init"]:
         fields["dist_init"] = f"tcp://127.0.0.1:{free_port()}"
+    keys = plane_security(args.control, args.plane_keys, args.insecure_plane, "data plane")
     opts = WorkerOptions(args.control, secrets.randbits(63), args.heartbeat_interval, args.control_timeout,
-                         parent_pid=os.getpid())
+                         parent_pid=os.getpid(), keys=keys)
+    with _Notifier(opts, args.world_size) as notifier:
+        return _run(opts, fields, args, notifier)
+
+
+class _Notifier:
+    """The launcher's own socket to the control plane: it names itself (HELLO as rank -1), then tells of
+    a rank that exited, so that the control plane need not wait for the rank's heartbeats to stop."""
+
+    def __init__(self, opts: WorkerOptions, world_size: int):
+        self.launch_id = opts.launch_id
+        self.ctx = zmq.Context()
+        self.sock = plane_socket(self.ctx, opts)
+        self.sock.linger = NOTICE_LINGER_MS
+        self.sock.connect(opts.control)
+        # Queued until connected; sent before any rank exists, so it comes before any rank's word.
+        self.sock.send_multipart(codec.encode_control(codec.Hello(opts.launch_id, -1, world_size, os.getpid())))
+        self.told = False
+
+    def rank_exited(self, rank: int, code: int) -> None:
+        if self.told:  # the first exit is the news; the others are the launcher's own doing
+            return
+        self.told = True
+        try:
+            self.sock.send_multipart(codec.encode_control(codec.RankExited(self.launch_id, rank, code)), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("could not tell the control plane that rank %d exited: %s", rank, e)
+
+    def __enter__(self) -> _Notifier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()  # lingers up to NOTICE_LINGER_MS for the notice
+        self.ctx.term()
+
+
+def _run(opts: WorkerOptions, fields: dict, args: argparse.Namespace, notifier: _Notifier) -> int:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=run_rank, args=(DataPlaneConfig(**fields, rank=r), opts), name=f"nanoplane-rank{r}",
                          daemon=True) for r in range(args.world_size)]
@@ -75,7 +119,7 @@ def launch(args: argparse.Namespace) -> int:
     try:
         for p in procs:
             p.start()
-        return _supervise(procs)
+        return _supervise(procs, notifier)
     except KeyboardInterrupt as e:
         # Stopping already: a second signal (Ctrl-C, then a supervisor's SIGTERM) must not cut _stop
         # short with a traceback and leave ranks behind.
@@ -83,10 +127,11 @@ def launch(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         log.info("stopping the data plane (%s)", e)
         _stop(procs)
+        notifier.rank_exited(0, _exit_code(procs[0].exitcode) or ExitCode.CRASHED)
         return killed_by(signal.SIGTERM if str(e) == "SIGTERM" else signal.SIGINT)
 
 
-def _supervise(procs: list[mp.Process]) -> int:
+def _supervise(procs: list[mp.Process], notifier: _Notifier) -> int:
     running = list(procs)
     while running:
         wait([p.sentinel for p in running])
@@ -94,6 +139,7 @@ def _supervise(procs: list[mp.Process]) -> int:
             running.remove(p)
             if p.exitcode != 0:
                 log.error("%s exited with %s: stopping the other ranks", p.name, p.exitcode)
+                notifier.rank_exited(procs.index(p), _exit_code(p.exitcode) or ExitCode.CRASHED)
                 _stop(running)
                 return _exit_code(p.exitcode) or ExitCode.CRASHED
         if running and len(running) < len(procs):
@@ -123,7 +169,11 @@ def _stop(procs: list[mp.Process]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanoplane dataplane", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return launch(parser.parse_args(argv))
+    try:
+        return launch(parser.parse_args(argv))
+    except ValueError as e:  # e.g. a tcp:// link without keys: one line, as `nanoplane dataplane` says it
+        print(f"nanoplane: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import zmq
 
 from nanoplane.dataplane.config import DataPlaneConfig
 from nanoplane.liveness import STALL_S, Liveness
+from nanoplane.plane_keys import PlaneKeys
 from nanoplane.process import configure_logging, freeze_startup_objects
 from nanoplane.proto import codec
 from nanoplane.proto.exit_codes import ExitCode
@@ -53,6 +54,16 @@ class WorkerOptions:
     heartbeat_interval: float = 0.5
     control_timeout: float = 30.0  # exit when nothing was heard from the control plane this long
     parent_pid: int = 0  # the launcher; exit when it is gone (0: do not watch)
+    keys: PlaneKeys | None = None  # CURVE: this data plane's keypair and the control plane's public key
+
+
+def plane_socket(ctx: zmq.Context, opts: WorkerOptions) -> zmq.Socket:
+    """A DEALER to the control plane (CURVE with opts.keys), not yet connected."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if opts.keys is not None:
+        opts.keys.apply(sock)
+    return sock
 
 
 class _ControlLink(threading.Thread):
@@ -61,8 +72,7 @@ class _ControlLink(threading.Thread):
     def __init__(self, ctx: zmq.Context, opts: WorkerOptions, rank: int, world_size: int):
         super().__init__(name=f"nanoplane-liveness-{rank}", daemon=True)
         self.opts, self.rank, self.world_size = opts, rank, world_size
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.linger = 0
+        self.sock = plane_socket(ctx, opts)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # no backlog of stale beats while disconnected
         self.sock.connect(opts.control)
         self.epoch = -1
@@ -153,8 +163,7 @@ def _serve(ctx: zmq.Context, cfg: DataPlaneConfig, opts: WorkerOptions, live: _C
         if live.exit_requested.is_set():
             return live.exit_code
     epoch = live.epoch
-    data = ctx.socket(zmq.DEALER)
-    data.linger = 0
+    data = plane_socket(ctx, opts)
     data.rcvtimeo = 100  # wake to notice an exit request; cheaper per step than Socket.poll
     data.connect(opts.control)
     info = dataclasses.replace(runner.info(), epoch=epoch)

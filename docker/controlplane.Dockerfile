@@ -2,8 +2,12 @@
 # so the image stays a few hundred MB (the data plane's is ~10 GB) and runs on any node.
 #
 #   docker build -f docker/controlplane.Dockerfile -t nanoplane-controlplane .
-#   docker run -v /srv/models:/models:ro -p 50051:50051 -p 5555:5555 \
-#       -e NANOPLANE_MODEL=/models/Qwen3-0.6B nanoplane-controlplane
+#   docker run -v /srv/models:/models:ro -v /srv/plane-keys:/keys:ro -p 50051:50051 -p 5555:5555 \
+#       -e NANOPLANE_MODEL=/models/Qwen3-0.6B -e NANOPLANE_PLANE_KEYS=/keys \
+#       -e NANOPLANE_HOST=0.0.0.0 -e NANOPLANE_BIND=tcp://0.0.0.0:5555 nanoplane-controlplane
+#
+# Both ports default to loopback: a container binds all its interfaces explicitly, as above. The keys
+# (`nanoplane keys /srv/plane-keys`, docs/operations.md "Securing the plane link") guard the ZeroMQ port.
 FROM python:3.12-slim
 
 ENV PYTHONUNBUFFERED=1 \

@@ -2,8 +2,9 @@
 # over ZeroMQ (--control). Model, KV cache, Triton kernels, sampler.
 #
 #   docker build -f docker/dataplane.Dockerfile -t nanoplane-dataplane .
-#   docker run --gpus all --shm-size 16g -v /srv/models:/models:ro nanoplane-dataplane \
-#       dataplane --model /models/Qwen3-0.6B --control tcp://controlplane-host:5555 --device cuda
+#   docker run --gpus all --shm-size 16g -v /srv/models:/models:ro -v /srv/plane-keys:/keys:ro \
+#       nanoplane-dataplane dataplane --model /models/Qwen3-0.6B --control tcp://controlplane-host:5555 \
+#       --plane-keys /keys --device cuda
 #
 # The CUDA "base" image only: torch's wheel brings its own CUDA libraries (cuBLAS, cuDNN, NCCL), so
 # a "runtime" image would ship them twice. The base image still sets what the NVIDIA container

@@ -3,8 +3,9 @@
     nanoplane serve                                  # both planes on this host, the default model
     nanoplane generate --server 127.0.0.1:50051 "What is the capital of France?"   # stream an answer
     nanoplane generate "..."                         # no server: the embedded engine
-    nanoplane controlplane --model DIR --bind tcp://0.0.0.0:5555   # the planes apart (containers)
-    nanoplane dataplane --model DIR --control tcp://controlplane:5555 --tensor-parallel-size 2
+    nanoplane keys ./plane-keys                      # the plane link's CURVE keys, once
+    nanoplane controlplane --model DIR --bind tcp://0.0.0.0:5555 --plane-keys ./plane-keys   # the planes apart
+    nanoplane dataplane --model DIR --control tcp://controlplane:5555 --plane-keys ./plane-keys
     nanoplane health --server 127.0.0.1:50051        # exit 0 while SERVING
 
 Every flag is defined in nanoplane/settings.py and takes its default from the environment, read only
@@ -114,7 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     metrics = metrics_address(args)  # refused before the model is looked for
     security = server_security(args)
-    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, security, metrics)
+    return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, security=security,
+                     metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
@@ -122,7 +124,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 
     metrics = metrics_address(args)
     security = server_security(args)
-    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", security, metrics)
+    return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", security=security,
+                            metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -136,6 +139,18 @@ def cmd_dataplane(args: argparse.Namespace) -> int:
     from nanoplane.dataplane.launcher import launch
 
     return launch(args)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from nanoplane.plane_keys import write_keys
+
+    try:
+        written = write_keys(args.dir)
+    except FileExistsError as e:
+        print(f"nanoplane: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(str(p) for p in written))
+    return 0
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -167,6 +182,7 @@ COMMANDS = {
     "demo": "start the service, stream one answer through the gRPC client, stop",
     "dataplane": "the data plane: one process per tensor-parallel rank",
     "health": "exit 0 while the server's health service says SERVING",
+    "keys": "write the plane link's CURVE keys into DIR: the control plane's and the data planes' keypairs",
 }
 
 
@@ -175,13 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     funcs = {"generate": cmd_generate, "serve": cmd_serve, "controlplane": cmd_controlplane, "demo": cmd_demo,
-             "dataplane": cmd_dataplane, "health": cmd_health}
+             "dataplane": cmd_dataplane, "health": cmd_health, "keys": cmd_keys}
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == "generate":
             p.add_argument("prompt")
         elif name == "demo":
             p.add_argument("prompt", nargs="?", default="What is the capital of France?")
+        elif name == "keys":
+            p.add_argument("dir", help="folder to write (created if missing); see docs/operations.md, \"Securing "
+                                       "the plane link\"")
         settings.add_options(p, name)
         p.set_defaults(func=funcs[name])
     return parser

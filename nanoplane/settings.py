@@ -71,6 +71,7 @@ _SAMPLING = frozenset({"generate"})
 _SERVING = frozenset({"serve", "controlplane"})
 _ASKING = frozenset({"generate", "health"})  # the commands that call a server (generate: with --server)
 _CLIENT_CERT = "PEM client certificate (chain) for mTLS, with --tls-key"
+_PLANE = frozenset({"serve", "controlplane", "dataplane"})
 
 OPTIONS: tuple[Option, ...] = (
     # The engine: LLM keywords, EngineConfig fields; those a data plane reads also reach its ranks.
@@ -119,15 +120,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("dist_timeout_s", float, 120.0, "seconds ranks wait for each other in torch.distributed",
            frozenset({"dataplane"}), dataplane_field="dist_timeout_s"),
     # The service.
-    Option("host", str, "127.0.0.1", "address of the gRPC API", frozenset({"serve", "controlplane"}),
-           defaults={"controlplane": "0.0.0.0"}),
+    Option("host", str, "127.0.0.1", "address of the gRPC API", frozenset({"serve", "controlplane"})),
     Option("port", int, DEFAULT_PORT, "port of the gRPC API", frozenset({"serve", "controlplane"})),
     Option("metrics_port", int, 0, "port of the Prometheus /metrics endpoint (0: off)",
            frozenset({"serve", "controlplane"})),
     Option("metrics_host", str, None, "address of the /metrics endpoint (none: the gRPC API's --host)",
            frozenset({"serve", "controlplane"})),
     Option("bind", str, None, "ZeroMQ endpoint data planes connect to (serve: a private ipc:// socket)",
-           frozenset({"serve", "controlplane"}), defaults={"controlplane": "tcp://0.0.0.0:5555"}),
+           frozenset({"serve", "controlplane"}), defaults={"controlplane": "tcp://127.0.0.1:5555"}),
+    # The plane link's security (nanoplane/plane_keys.py).
+    Option("plane_keys", str, None, "folder of the plane link's CURVE keys, written by `nanoplane keys DIR`: the "
+           "control plane reads controlplane.key_secret and authorized/*.key, a data plane dataplane.key_secret "
+           "and controlplane.key (serve: both)", _PLANE),
+    Option("insecure_plane", bool, False, "allow a tcp:// plane link without --plane-keys: neither authenticated "
+           "nor encrypted (a warning is logged)", _PLANE),
     Option("server", str, None, "HOST:PORT of a running nanoplane to stream the answer from (the engine flags "
            "then do not apply)", frozenset({"generate", "health"}), defaults={"health": f"127.0.0.1:{DEFAULT_PORT}"},
            helps={"health": "HOST:PORT of the server to ask"}),

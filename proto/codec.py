@@ -15,6 +15,7 @@ plane in another language would implement.
     HELLO, WELCOME, HEARTBEAT  [header <2sBB Q q i i i: launch_id, epoch, rank, world_size, pid]
     READY       [header, utf-8 JSON {"launch_id", **PlaneInfo}]
     SHUTDOWN    [header <2sBB i: exit code, utf-8 reason]
+    RANK_EXITED [header <2sBB Q i i: launch_id, rank, exit code]
 
 The hot path is a decode step: one struct and one concatenated int32 buffer each way, decoded
 into zero-copy (read-only) numpy views. Rare messages (handshake) use JSON.
@@ -46,6 +47,7 @@ class MsgType(IntEnum):
     HEARTBEAT = 5  # both ways, every heartbeat interval
     READY = 6  # rank -> control plane once its model and KV cache are up
     SHUTDOWN = 7  # control plane -> rank: exit with this code
+    RANK_EXITED = 8  # launcher -> control plane: a rank's process ended (sent before the launcher exits)
 
 
 class ProtocolError(ValueError):
@@ -89,6 +91,15 @@ class Shutdown:
 
 
 @dataclass(slots=True, frozen=True)
+class RankExited:
+    """The launcher saw a rank's process end: the control plane need not wait for its heartbeats to stop."""
+
+    launch_id: int
+    rank: int
+    exit_code: int  # as a shell reports it (128 + N for signal N)
+
+
+@dataclass(slots=True, frozen=True)
 class Result:
     """A StepResult as it travels: with the sender's epoch, rank and a fatal flag."""
 
@@ -98,7 +109,7 @@ class Result:
     fatal: bool = False
 
 
-Message = StepDescriptor | Result | Hello | Welcome | Heartbeat | Ready | Shutdown
+Message = StepDescriptor | Result | Hello | Welcome | Heartbeat | Ready | Shutdown | RankExited
 Frames = Sequence  # of bytes-like objects (bytes, memoryview, zmq.Frame, numpy arrays)
 
 _PREFIX = struct.Struct("<2sBB")
@@ -106,6 +117,7 @@ _DESC = struct.Struct("<2sBBqqIIII")
 _RESULT = struct.Struct("<2sBBqqiBId")
 _PEER = struct.Struct("<2sBBQqiii")
 _SHUTDOWN = struct.Struct("<2sBBi")
+_EXITED = struct.Struct("<2sBBQii")
 
 # float64 keeps Python floats exact across the wire; has_seed distinguishes seed None from 0.
 NEW_REQUEST = np.dtype([("request_id", "<i8"), ("seed", "<i8"), ("temperature", "<f8"), ("top_p", "<f8"),
@@ -221,7 +233,7 @@ def _decode_result(frames: Frames) -> Result:
     return Result(epoch, rank, StepResult(step_id, sampled, forward_time, error), bool(flags & RESULT_FATAL))
 
 
-def encode_control(msg: Hello | Welcome | Heartbeat | Ready | Shutdown) -> list:
+def encode_control(msg: Hello | Welcome | Heartbeat | Ready | Shutdown | RankExited) -> list:
     """Encode one of the (rare) handshake and liveness messages."""
     if isinstance(msg, Hello):
         return [_PEER.pack(MAGIC, VERSION, MsgType.HELLO, msg.launch_id, -1, msg.rank, msg.world_size, msg.pid)]
@@ -234,6 +246,8 @@ def encode_control(msg: Hello | Welcome | Heartbeat | Ready | Shutdown) -> list:
         return [_PREFIX.pack(MAGIC, VERSION, MsgType.READY), body.encode()]
     if isinstance(msg, Shutdown):
         return [_SHUTDOWN.pack(MAGIC, VERSION, MsgType.SHUTDOWN, msg.exit_code), msg.reason.encode()]
+    if isinstance(msg, RankExited):
+        return [_EXITED.pack(MAGIC, VERSION, MsgType.RANK_EXITED, msg.launch_id, msg.rank, msg.exit_code)]
     raise TypeError(f"not a control message: {type(msg).__name__}")
 
 
@@ -270,6 +284,8 @@ def decode(frames: Frames) -> Message:
             _expect_frames(frames, 2, "shutdown")
             return Shutdown(_header(frames, _SHUTDOWN, "shutdown")[3], bytes(frames[1]).decode(errors="replace"))
         _expect_frames(frames, 1, kind.name.lower())
+        if kind is MsgType.RANK_EXITED:
+            return RankExited(*_header(frames, _EXITED, "rank_exited")[3:])
         _, _, _, launch_id, epoch, rank, world_size, pid = _header(frames, _PEER, kind.name.lower())
         if kind is MsgType.HELLO:
             return Hello(launch_id, rank, world_size, pid)

@@ -170,6 +170,7 @@ class Launch(msgspec.Struct, frozen=True):
     eos_token_ids: list[int]  # the tokenizer's end-of-sequence ids
     recover_interval_s: float  # how often to try attaching a data plane while none is ready
     attach_timeout_s: float  # how long each attempt waits for the ranks' handshakes
+    plane_keys: str = ""  # folder of the plane link's CURVE keys (nanoplane/plane_keys.py); empty: none
 
 
 def encode_launch(launch: Launch) -> str:

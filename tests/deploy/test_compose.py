@@ -9,7 +9,10 @@ tests/deploy/test_docker_images.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import zmq.auth
 from support.docker_config import (
     DOCKERFILES,
     MODEL_MOUNT,
@@ -18,12 +21,15 @@ from support.docker_config import (
     environment,
     healthcheck_argv,
     host_port,
+    mount_secrets,
     parse,
     run_service,
     service,
     size_bytes,
     subparser,
 )
+
+from nanoplane.plane_keys import PlaneKeys, write_keys
 
 # --- the commands ----------------------------------------------------------------------------------
 
@@ -192,3 +198,26 @@ def test_restart_and_startup_order():
     assert depends["controlplane"].get("condition", "service_started") != "service_healthy", \
         "the data plane waits for a healthy control plane, which waits for a data plane: neither starts"
 
+
+
+def test_each_plane_gets_only_its_own_keys_as_secrets(tmp_path):
+    """The plane link is keyed in compose (tcp:// would refuse to start otherwise), and the secrets put
+    exactly the files each side reads from its --plane-keys folder there, from one `nanoplane keys` run."""
+    keys = tmp_path / "keys"
+    write_keys(keys)
+    loaded = {}
+    for name in ("controlplane", "dataplane"):
+        _, ns = run_service(name)
+        assert ns.plane_keys and not ns.insecure_plane, f"service {name}: a tcp:// plane link without keys"
+        into = tmp_path / name
+        mounted = mount_secrets(name, keys, into)
+        assert all(target.startswith(ns.plane_keys.rstrip("/") + "/") for target in mounted), \
+            f"service {name} mounts secrets outside its --plane-keys {ns.plane_keys}: {sorted(mounted)}"
+        folder = into / ns.plane_keys.lstrip("/")
+        loaded[name] = PlaneKeys.control_plane(folder) if name == "controlplane" else PlaneKeys.data_plane(folder)
+        secrets = {p.name for p in mounted.values() if p.name.endswith(".key_secret")}
+        assert secrets == {f"{name}.key_secret"}, f"service {name} gets the secret keys {sorted(secrets)}"
+    cp, dp = loaded["controlplane"], loaded["dataplane"]
+    assert dp.server_public == cp.public, "the data plane holds another control plane's public key"
+    accepted = [zmq.auth.load_certificate(p)[0] for p in Path(cp.authorized).glob("*.key")]
+    assert dp.public in accepted, "the control plane does not accept the data plane's key"

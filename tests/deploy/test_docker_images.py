@@ -33,10 +33,12 @@ from support.docker_config import (
     environment,
     exec_form,
     host_port,
+    mount_secrets,
     parse,
     service,
 )
 
+from nanoplane.plane_keys import write_keys
 from nanoplane.process import free_port
 
 # --- the Dockerfiles -------------------------------------------------------------------------------
@@ -184,10 +186,16 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     port, zmq_port = free_port(), free_port()
     cp_argv = effective_argv("controlplane", service("controlplane"))
     dp_argv = effective_argv("dataplane", service("dataplane"))
+    write_keys(tmp_path / "plane-keys")  # each plane gets its secrets, at their targets under a folder of its own
+    keys = {name: tmp_path / name / environment(service(name))["NANOPLANE_PLANE_KEYS"].lstrip("/")
+            for name in ("controlplane", "dataplane")}
+    for name in keys:
+        mount_secrets(name, tmp_path / "plane-keys", tmp_path / name)
     cp_env = {**image, **environment(service("controlplane")), "NANOPLANE_MODEL": model,
-              "NANOPLANE_HOST": "127.0.0.1", "NANOPLANE_PORT": str(port), "NANOPLANE_BIND": f"tcp://127.0.0.1:{zmq_port}"}
+              "NANOPLANE_HOST": "127.0.0.1", "NANOPLANE_PORT": str(port), "NANOPLANE_BIND": f"tcp://127.0.0.1:{zmq_port}",
+              "NANOPLANE_PLANE_KEYS": str(keys["controlplane"])}
     dp_env = {**base, **environment(service("dataplane")), "NANOPLANE_MODEL": model, "NANOPLANE_DEVICE": "cpu",
-              "NANOPLANE_CONTROL": f"tcp://127.0.0.1:{zmq_port}"}
+              "NANOPLANE_CONTROL": f"tcp://127.0.0.1:{zmq_port}", "NANOPLANE_PLANE_KEYS": str(keys["dataplane"])}
 
     def health() -> tuple[int, str]:
         r = subprocess.run(image_python + ["health", "--server", f"127.0.0.1:{port}"], cwd=tmp_path, env=image,

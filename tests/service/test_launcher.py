@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -18,23 +17,24 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from support.rank_processes import (
+    LENGTHS,
+    check_tokens,
+    embedded_reference,
+    engine_over,
+    generate,
+    kill_all,
+    launch,
+    random_prompts,
+)
 
-from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.dataplane_client import DataPlaneUnavailable, RemoteDataPlane
-from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.proto.exit_codes import ExitCode, killed_by
 from nanoplane.proto.plane import StepDescriptor
 
-GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-LENGTHS = [1, 17, 40, 130, 5, 70]  # 130 and 70 do not fit a 64-token step: chunked prefill
-SIZES = dict(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=64)
 DETECT_BOUND_S = 10.0
-
-
-def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 380) for _ in range(n)] for n in lengths]
+NOTICE_BOUND_S = 0.5  # a killed rank, told by its launcher (the heartbeat timeout would take seconds)
 
 
 @pytest.fixture(scope="module")
@@ -43,58 +43,15 @@ def model(tiny_models) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model) -> dict[int, list[int]]:
-    """Greedy tokens of the embedded engine (in-process data plane) on the seeds' prompts."""
-    from nanoplane.controlplane.llm import LLM
-
-    llm = LLM(str(model), device="cpu", kvcache_block_size=16, **SIZES)
-    try:
-        out = {}
-        for seed in (0, 1):
-            prompts = random_prompts(LENGTHS, seed)
-            for p, o in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False), strict=True):
-                out[(seed, len(p))] = o["token_ids"]
-        return out
-    finally:
-        llm.close()
-
-
-def launch(model: Path, address: str, tp: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nanoplane.dataplane.launcher", "--model", str(model), "--control", address,
-           "--tensor-parallel-size", str(tp), "--device", "cpu", "--num-kvcache-blocks", "256",
-           "--heartbeat-interval", "0.2", "--control-timeout", "3"]
-    cmd += [f"--{k.replace('_', '-')}={v}" for k, v in SIZES.items()]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
-
-
-def engine_over(client: RemoteDataPlane, model: Path) -> Engine:
-    return Engine(EngineConfig(str(model), device="cpu", kvcache_block_size=16, **SIZES), client, ())
-
-
-def generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    seqs = [engine.add_request(p, GREEDY) for p in prompts]
-    while engine.has_work():
-        engine.step()
-    return [s.completion_token_ids for s in seqs]
-
-
-def check_tokens(engine: Engine, reference: dict, seed: int) -> None:
-    prompts = random_prompts(LENGTHS, seed)
-    chunked = engine.scheduler.num_chunked_prefills
-    for p, out in zip(prompts, generate(engine, prompts), strict=True):
-        assert out == reference[(seed, len(p))], f"prompt of {len(p)} tokens"
-    assert engine.scheduler.num_chunked_prefills > chunked
+def reference(model) -> dict[tuple[int, int], list[int]]:
+    return embedded_reference(model)
 
 
 @pytest.fixture
 def launchers():
     procs: list[subprocess.Popen] = []
     yield procs
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    kill_all(procs)
 
 
 def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, tmp_path, launchers):
@@ -118,9 +75,11 @@ def test_tp1_over_ipc_matches_embedded_and_refuses_bad_steps(model, reference, t
 
 
 def test_tp2_kill_a_rank_then_reattach(model, reference, launchers):
-    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=2, heartbeat_timeout=1.5)
+    """The launcher tells the control plane at once: the steps end long before the heartbeat timeout."""
+    client = RemoteDataPlane("tcp://127.0.0.1:*", world_size=2, heartbeat_timeout=5.0)
+    insecure = ("--insecure-plane",)  # keys: test_plane_security.py
     try:
-        launchers.append(launch(model, client.address, tp=2))
+        launchers.append(launch(model, client.address, tp=2, extra=insecure))
         engine = engine_over(client, model)
         check_tokens(engine, reference, seed=0)
 
@@ -144,10 +103,10 @@ def test_tp2_kill_a_rank_then_reattach(model, reference, launchers):
         assert failure, "the engine did not notice the killed rank"
         detected = failure[0][0] - killed
         print(f"killed rank detected after {detected:.2f}s: {failure[0][1]}")
-        assert detected < DETECT_BOUND_S and not client.ready
+        assert detected < NOTICE_BOUND_S and not client.ready and "exited with code 137" in str(failure[0][1])
         assert launchers[0].wait(DETECT_BOUND_S) != 0  # so that a supervisor restarts it
 
-        launchers.append(launch(model, client.address, tp=2))  # the supervisor's restart
+        launchers.append(launch(model, client.address, tp=2, extra=insecure))  # the supervisor's restart
         engine = engine_over(client, model)  # the engine re-attaches with nothing in flight
         check_tokens(engine, reference, seed=1)
     finally:

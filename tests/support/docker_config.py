@@ -239,3 +239,24 @@ def size_bytes(size) -> int:
     assert m, f"not a size: {size!r}"
     return int(float(m[1]) * 1024 ** " kmgt".index(m[2] or " "))
 
+
+# --- compose secrets -------------------------------------------------------------------------------
+
+
+def mount_secrets(name: str, keys_dir: Path, into: Path, env: dict[str, str] | None = None) -> dict[str, Path]:
+    """Copy the secrets service `name` mounts, as compose would mount them (each source file at its target),
+    into `into` + target, with NANOPLANE_PLANE_KEYS_DIR set to `keys_dir`; return target -> copy."""
+    doc = load_compose({**(env or {}), "NANOPLANE_PLANE_KEYS_DIR": str(keys_dir)})
+    defined = doc.get("secrets") or {}
+    out = {}
+    for entry in doc["services"][name].get("secrets") or []:
+        source = entry if isinstance(entry, str) else entry["source"]
+        target = f"/run/secrets/{source}" if isinstance(entry, str) else entry.get("target", f"/run/secrets/{source}")
+        if not target.startswith("/"):
+            target = f"/run/secrets/{target}"
+        assert source in defined and "file" in defined[source], f"service {name}: secret {source} has no file"
+        copy = into / target.lstrip("/")
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(Path(defined[source]["file"]).read_bytes())
+        out[target] = copy
+    return out

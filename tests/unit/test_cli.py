@@ -175,6 +175,62 @@ def test_the_metrics_endpoint_follows_the_api_host_unless_told(monkeypatch):
     parse = build_parser().parse_args
     assert metrics_address(parse(["serve"])) is None  # off by default
     assert metrics_address(parse(["serve", "--metrics-port", "9090"])) == ("127.0.0.1", 9090)
-    assert metrics_address(parse(["controlplane", "--metrics-port", "9090"])) == ("0.0.0.0", 9090)
+    assert metrics_address(parse(["controlplane", "--metrics-port", "9090"])) == ("127.0.0.1", 9090)
     monkeypatch.setenv("NANOPLANE_METRICS_HOST", "10.0.0.5")
     assert metrics_address(parse(["serve", "--metrics-port", "9090"])) == ("10.0.0.5", 9090)
+
+
+def test_controlplane_listens_on_loopback_unless_told():
+    args = build_parser().parse_args(["controlplane"])
+    assert args.host == "127.0.0.1" and args.bind == "tcp://127.0.0.1:5555"
+
+
+@pytest.mark.parametrize("command", ["controlplane", "serve", "dataplane"])
+def test_every_plane_command_takes_the_plane_link_flags(command, monkeypatch):
+    monkeypatch.setenv("NANOPLANE_PLANE_KEYS", "/keys")
+    monkeypatch.setenv("NANOPLANE_INSECURE_PLANE", "1")
+    extra = ["--model", "m", "--control", "ipc:///x"] if command == "dataplane" else []
+    args = build_parser().parse_args([command, *extra])
+    assert args.plane_keys == "/keys" and args.insecure_plane is True
+
+
+def test_serve_hands_its_data_plane_the_keys(tiny_models, tmp_path, monkeypatch):
+    """`serve --bind tcp://... --plane-keys DIR`: its supervised data plane gets the same folder."""
+    from nanoplane.controlplane import service
+    from nanoplane.plane_keys import write_keys
+
+    write_keys(tmp_path)
+    started = []
+
+    class Supervisor:
+        def __init__(self, argv):
+            started.append(argv)
+
+        def start(self):
+            pass
+
+        def stop(self):
+            pass
+
+        def on_ready(self, ready):
+            pass
+
+    async def serve(*args, **kwargs):
+        assert kwargs["plane_keys"] == str(tmp_path)  # the engine process binds with them
+
+    monkeypatch.setattr(service, "DataPlaneSupervisor", Supervisor)
+    monkeypatch.setattr(service, "_serve", serve)
+    monkeypatch.setattr(service, "engine_process_enabled", lambda: True)
+    config = EngineConfig(str(tiny_models["qwen3"]))
+    service.run_serve(config, "127.0.0.1:0", f"tcp://127.0.0.1:{free_port()}", plane_keys=str(tmp_path))
+    ns = dataplane_parser().parse_args(started[0][3:])
+    assert ns.plane_keys == str(tmp_path) and not ns.insecure_plane
+    with pytest.raises(ValueError, match="--plane-keys"):
+        service.run_serve(config, "127.0.0.1:0", f"tcp://127.0.0.1:{free_port()}")
+
+
+def test_keys_writes_once(tmp_path, capsys):
+    assert main(["keys", str(tmp_path / "k")]) == 0
+    assert "controlplane.key_secret" in capsys.readouterr().out
+    assert main(["keys", str(tmp_path / "k")]) == 2
+    assert "already holds" in capsys.readouterr().err

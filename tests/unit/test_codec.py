@@ -11,7 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoplane.proto import codec
-from nanoplane.proto.codec import Heartbeat, Hello, ProtocolError, Ready, Result, Shutdown, Welcome, decode
+from nanoplane.proto.codec import (
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    RankExited,
+    Ready,
+    Result,
+    Shutdown,
+    Welcome,
+    decode,
+)
 from nanoplane.proto.plane import NewRequest, PlaneInfo, SamplingSpec, StepDescriptor, StepResult, int32_column
 
 i32 = st.integers(-(2**31), 2**31 - 1)
@@ -74,6 +84,7 @@ controls = st.one_of(
     st.builds(Heartbeat, st.integers(0, 2**64 - 1), i64, i32),
     st.builds(Ready, i64, plane_infos),
     st.builds(Shutdown, i32, st.text()),
+    st.builds(RankExited, st.integers(0, 2**64 - 1), i32, i32),
 )
 
 
@@ -90,7 +101,7 @@ def test_garbage_is_a_protocol_error(frames):
         decode(frames)
 
 
-HEADER_SIZES = [0, 4, 28, 32, 33]  # the fixed headers less their 4-byte prefix, and none
+HEADER_SIZES = [0, 4, 16, 28, 32, 33]  # the fixed headers less their 4-byte prefix, and none
 
 
 @settings(max_examples=1000, deadline=None)
