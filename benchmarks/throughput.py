@@ -216,7 +216,7 @@ def role(proc, serve_pid: int) -> str:
         return "launcher"
     if "resource_tracker" in cmd:
         return "resource tracker"
-    if proc.ppid() == serve_pid and "spawn_main" in cmd:
+    if "nanoplane.controlplane.engine_process" in cmd:
         return "engine process"
     return "rank" if "spawn_main" in cmd else cmd[-32:]
 
