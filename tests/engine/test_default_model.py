@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.conversion import needs_conversion_deps
 
 from nanoplane.models.default_model import (
     MODEL_NAME,
@@ -21,22 +22,13 @@ from nanoplane.models.default_model import (
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _needs_conversion_deps() -> None:
-    for module in ("gguf", "accelerate"):
-        pytest.importorskip(module, reason=f"converting the GGUF with transformers needs {module}")
-    try:
-        find_gguf()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-
-
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A CI cache named by NANOPLANE_CACHE makes the ~20 s conversion happen once across runs.
     env = os.environ.get("NANOPLANE_CACHE")
     root = Path(env) if env else tmp_path_factory.mktemp("nanoplane-cache")
     if not all((root / MODEL_NAME / name).is_file() for name in REQUIRED_FILES):
-        _needs_conversion_deps()
+        needs_conversion_deps()
     return default_model_dir(root)
 
 
@@ -121,7 +113,7 @@ def test_second_call_reuses_cache(model_dir: Path, capfd: pytest.CaptureFixture[
 def test_conversion_is_deterministic(tmp_path: Path) -> None:
     # Two fresh conversions rather than one against the cache: a cache written by another transformers
     # version may legitimately differ (config.json records the version).
-    _needs_conversion_deps()
+    needs_conversion_deps()
     first, second = tmp_path / "a", tmp_path / "b"
     for out in (first, second):
         out.mkdir()

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from support.conversion import needs_conversion_deps
 from support.tiny_models import make_tokenizer
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -23,17 +24,12 @@ NORMAL_CHATS = [
 
 
 def _default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from nanoplane.models.default_model import MODEL_NAME, REQUIRED_FILES, default_model_dir, find_gguf
+    from nanoplane.models.default_model import MODEL_NAME, REQUIRED_FILES, default_model_dir
 
     env = os.environ.get("NANOPLANE_CACHE")  # as tests/engine/test_default_model.py: a cache, else converted here
     root = Path(env) if env else tmp_path_factory.mktemp("nanoplane-cache")
     if not all((root / MODEL_NAME / name).is_file() for name in REQUIRED_FILES):
-        for module in ("gguf", "accelerate"):
-            pytest.importorskip(module, reason=f"converting the GGUF with transformers needs {module}")
-        try:
-            find_gguf()
-        except FileNotFoundError as exc:
-            pytest.skip(str(exc))
+        needs_conversion_deps()
     return default_model_dir(root)
 
 
