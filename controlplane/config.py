@@ -32,6 +32,8 @@ class EngineConfig:
     seed: int = engine_default("seed")
     steps_in_flight: int = engine_default("steps_in_flight")
     scheduling_policy: str = engine_default("scheduling_policy")
+    max_queued_requests: int = engine_default("max_queued_requests")
+    max_queued_tokens: int = engine_default("max_queued_tokens")
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
 
     def __post_init__(self) -> None:
@@ -68,6 +70,9 @@ class EngineConfig:
         backends = BY_NAME["attention_backend"].choices
         if self.attention_backend not in backends:
             raise ValueError(f"attention_backend must be {' or '.join(backends)}, got {self.attention_backend!r}")
+        if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError(f"max_queued_requests and max_queued_tokens must be >= 0 (0: unbounded), got "
+                             f"{self.max_queued_requests} and {self.max_queued_tokens}")
         policies = BY_NAME["scheduling_policy"].choices
         if self.scheduling_policy not in policies:
             raise ValueError(f"scheduling_policy must be {' or '.join(policies)}, got {self.scheduling_policy!r}")

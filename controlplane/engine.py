@@ -95,7 +95,8 @@ class Engine:
         self.block_size = info.block_size
         self.max_model_len = min(config.max_model_len, info.max_model_len)
         self.scheduler = Scheduler(self.num_kv_blocks, self.block_size, min(config.max_num_seqs, info.max_num_seqs),
-                                   config.max_num_batched_tokens, eos_token_ids, config.scheduling_policy)
+                                   config.max_num_batched_tokens, eos_token_ids, config.scheduling_policy,
+                                   config.max_queued_requests, config.max_queued_tokens)
         self.step_id = 0
         self.epoch = info.epoch
         self.seqs: dict[int, Sequence] = {}
@@ -108,16 +109,27 @@ class Engine:
         """Raise ValueError with a message a person understands; nothing is queued on failure."""
         validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
 
-    def add_request(self, token_ids: list[int], params: SamplingParams, validated: bool = False) -> Sequence:
+    def add_request(self, token_ids: list[int], params: SamplingParams, validated: bool = False,
+                    deadline: float | None = None) -> Sequence:
         """Queue a request. `validated`: the caller has just run validate() on these very arguments
-        (a batch checked whole before any of it is queued), so the per-token pass is not run twice."""
+        (a batch checked whole before any of it is queued), so the per-token pass is not run twice.
+        `deadline`: the time.monotonic() by which it must start, else it is dropped (take_expired).
+        Raises ValueError, or scheduler.QueueFull when the waiting queue is at its bound."""
         token_ids = list(token_ids)
         if not validated:
             self.validate(token_ids, params)
         seq = Sequence(token_ids, params, self.block_size)
-        self.seqs[seq.seq_id] = seq
+        seq.deadline = deadline
         self.scheduler.add(seq)
+        self.seqs[seq.seq_id] = seq
         return seq
+
+    def take_expired(self) -> list[Sequence]:
+        """The requests dropped for their deadline since the last call (blocks and slots freed already)."""
+        expired, self.scheduler.expired = self.scheduler.expired, []
+        for seq in expired:
+            self.seqs.pop(seq.seq_id, None)
+        return expired
 
     def abort(self, seq_id: int) -> None:
         """Drop a request at once, wherever it is, and free its blocks; unknown ids are ignored."""

@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable
 
 from nanoplane.controlplane.engine import Engine
-from nanoplane.controlplane.errors import DataPlaneUnavailable
+from nanoplane.controlplane.errors import DataPlaneUnavailable, DeadlineExceeded
 from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Output, Stream
+from nanoplane.controlplane.scheduler import QueueFull
 from nanoplane.controlplane.sequence import Sequence as EngineSequence
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,14 @@ class EngineLoop:
             return True
         if out.rows and self._step_times is not None:
             self._step_times.append(time.perf_counter() - started)
+        for seq in self.engine.take_expired():
+            stream = self._stream_of.pop(seq.seq_id, None)
+            if stream is not None:
+                del self._seq_of[stream]
+                waited = time.monotonic() - seq.queued_since
+                deliveries.append((stream, DeadlineExceeded(
+                    f"the request's deadline passed after {waited:.2f}s in the server's queue, before it "
+                    "started; nothing was computed for it")))
         for seq, token in out.produced:
             stream = self._stream_of.get(seq.seq_id)
             if stream is None:
@@ -280,8 +289,8 @@ class EngineLoop:
                 deliveries.append((stream, DataPlaneUnavailable(self.unavailable_message())))
                 return
             try:
-                seq = self.engine.add_request(stream.token_ids, stream.params)
-            except ValueError as exc:
+                seq = self.engine.add_request(stream.token_ids, stream.params, deadline=stream.deadline)
+            except (ValueError, QueueFull) as exc:
                 deliveries.append((stream, exc))
                 return
             self._seq_of[stream] = seq

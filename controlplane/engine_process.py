@@ -138,6 +138,8 @@ def engine_main(launch: link.Launch) -> None:
                 # Here the stream's id is the serving process's key for it, and outputs go to `deliver`.
                 s = msg.sampling
                 stream = Stream(msg.key, msg.token_ids, None, queue=None)
+                if msg.timeout_s is not None:  # the deadline in this process's monotonic clock
+                    stream.deadline = time.monotonic() + msg.timeout_s
                 streams[msg.key] = stream
                 try:
                     stream.params = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens, s.seed,

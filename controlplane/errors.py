@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from nanoplane.proto.engine_link import ID_IN_USE, INTERNAL, INVALID, UNAVAILABLE
+from nanoplane.controlplane.scheduler import QueueFull
+from nanoplane.proto.engine_link import DEADLINE, EXHAUSTED, ID_IN_USE, INTERNAL, INVALID, UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,22 @@ class DataPlaneUnavailable(Exception):
     """The data plane is down or failed a step; requests cannot run until it is back."""
 
 
+class DeadlineExceeded(Exception):
+    """The request's deadline passed while it waited in the queue; it was dropped before prefill."""
+
+
+# A refused request's trailing metadata: gRPC clients and Envoy retry after this many ms. Fixed: a
+# queue drains at the speed of whole requests, which one step's rate says little about.
+RETRY_PUSHBACK_MS = 1000
+PUSHBACK_METADATA = (("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),)
+
+
 # Order matters: the first matching class wins.
 STATUS_BY_EXCEPTION: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (RequestIdInUse, grpc.StatusCode.ALREADY_EXISTS),
     (DataPlaneUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
     (NotImplementedError, grpc.StatusCode.UNIMPLEMENTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
@@ -77,7 +90,7 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     code, details = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
-    await context.abort(code, details)
+    await context.abort(code, details, PUSHBACK_METADATA if isinstance(exc, QueueFull) else ())
 
 
 def _wrap_unary(method: str, behaviour: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
@@ -160,7 +173,8 @@ def _wrap_bidi(method: str, behaviour: Callable) -> Callable:
 
 # Errors that cross the engine link travel as a kind and a message (proto/engine_link.py's Failure).
 _KIND_BY_CLASS: tuple[tuple[type[BaseException], str], ...] = (
-    (RequestIdInUse, ID_IN_USE), (DataPlaneUnavailable, UNAVAILABLE), (ValueError, INVALID))
+    (RequestIdInUse, ID_IN_USE), (DataPlaneUnavailable, UNAVAILABLE), (QueueFull, EXHAUSTED),
+    (DeadlineExceeded, DEADLINE), (ValueError, INVALID))
 _CLASS_BY_KIND: dict[str, type[Exception]] = {kind: cls for cls, kind in _KIND_BY_CLASS} | {INTERNAL: RuntimeError}
 
 

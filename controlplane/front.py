@@ -111,6 +111,7 @@ class Stream:
     token_ids: list[int]
     params: SamplingParams
     queue: asyncio.Queue | None = field(default_factory=asyncio.Queue)  # Outputs, or an exception to raise
+    deadline: float | None = None  # time.monotonic() of this process by which it must start; None: none
 
 
 async def read_stream(stream: Stream) -> AsyncIterator[Output]:
@@ -149,11 +150,12 @@ class EngineFront(Protocol):
     def start(self) -> None:
         """Start the engine loop (a thread, or a process); call from the serving event loop."""
 
-    def generate(self, token_ids: Sequence[int], params: SamplingParams,
-                 request_id: str | None = None) -> AsyncIterator[Output]:
+    def generate(self, token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                 timeout_s: float | None = None) -> AsyncIterator[Output]:
         """Run one request; yields its outputs until the one with finished=True. Closing the iterator
-        early aborts the request and frees its blocks (use `contextlib.aclosing`). Raises ValueError,
-        RequestIdInUse or DataPlaneUnavailable."""
+        early aborts the request and frees its blocks (use `contextlib.aclosing`). `timeout_s`: seconds
+        from now by which it must start, else it is dropped before prefill (None: no deadline). Raises
+        ValueError, RequestIdInUse, DataPlaneUnavailable, QueueFull or DeadlineExceeded."""
 
     def abort(self, request_id: str) -> bool:
         """End a running request from the server side (its stream gets a final ABORT output); False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -50,8 +51,8 @@ class InProcessFront:
         self._event_loop = asyncio.get_running_loop()
         self.loop.start()
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Output]:
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                       timeout_s: float | None = None) -> AsyncIterator[Output]:
         if not self.loop.started:
             raise RuntimeError("InProcessFront.start() was not called")
         if not self.loop.data_plane_ready:
@@ -64,6 +65,8 @@ class InProcessFront:
         token_ids = list(token_ids)
         facts.validate(token_ids, params)
         stream = Stream(request_id, token_ids, params)
+        if timeout_s is not None:
+            stream.deadline = time.monotonic() + timeout_s
         self._streams[request_id] = stream
         self.loop.add_stream(stream)
         finished = False

@@ -127,8 +127,8 @@ class ProcessFront:
         self._reader = threading.Thread(target=self._read_events, name="engine-events", daemon=True)
         self._reader.start()
 
-    async def generate(self, token_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Output]:
+    async def generate(self, token_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                       timeout_s: float | None = None) -> AsyncIterator[Output]:
         if self._reader is None:
             raise RuntimeError("ProcessFront.start() was not called")
         request_id = request_id or uuid.uuid4().hex
@@ -146,7 +146,7 @@ class ProcessFront:
             # In the try: if the send fails (the engine process just died), the id and key are released.
             self._send(link.Add(key, token_ids, link.Sampling(
                 params.temperature, params.top_p, params.top_k, params.min_p, params.max_tokens, params.seed,
-                params.ignore_eos, list(params.stop_token_ids))))
+                params.ignore_eos, list(params.stop_token_ids)), timeout_s))
             async for item in read_stream(stream):
                 finished = item.finished
                 yield item

@@ -186,7 +186,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         first = True
         # aclosing: leaving this block for any reason (client gone, stop string, error) closes the
         # engine stream at once, which aborts the request and frees its blocks within a step.
-        async with aclosing(self.front.generate(token_ids, params, request_id)) as outputs:
+        # The call's deadline, as seconds left now; the engine drops the request if it is still queued then.
+        timeout_s = context.time_remaining()
+        async with aclosing(self.front.generate(token_ids, params, request_id, timeout_s)) as outputs:
             async for out in outputs:
                 response = pb.GenerateResponse(request_id=request_id, token_ids=out.token_ids,
                                                text=text.push(out.token_ids, finished=out.finished))

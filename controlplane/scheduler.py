@@ -7,10 +7,16 @@ step decodes the running requests and fills the rest of the token budget with wa
 last of them chunked, so running streams keep producing while a long prompt prefills. Under both,
 when the KV cache is full the newest running request is preempted (its blocks freed, to be
 recomputed later) and goes back to the front of the queue (behind a prompt mid-prefill, if any).
+
+Admission: `add` refuses a request (QueueFull) when the waiting queue is at --max-queued-requests or
+its prompt tokens would pass --max-queued-tokens; the engine thread adds requests one at a time, so
+the bound holds exactly. A request with a deadline (engine monotonic clock) that passes before it is
+first admitted is dropped before prefill and listed in `expired` for the engine to report.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,6 +25,10 @@ from nanoplane.controlplane.block_manager import BlockManager
 from nanoplane.controlplane.sequence import FinishReason, Sequence, SequenceStatus
 
 SCHEDULING_POLICIES = ("prefill-first", "mixed")
+
+
+class QueueFull(Exception):
+    """A request refused at admission: the waiting queue is at one of its bounds."""
 
 
 @dataclass(slots=True)
@@ -43,29 +53,34 @@ class WaitQueue:
     len() counts live requests only.
     """
 
-    __slots__ = ("_queue", "_live", "_gone")
+    __slots__ = ("_queue", "_live", "_gone", "num_prompt_tokens")
 
     def __init__(self) -> None:
         self._queue: deque[Sequence] = deque()
         self._live: set[Sequence] = set()  # Sequence hashes by identity
         self._gone: set[Sequence] = set()  # removed, still somewhere inside _queue
+        self.num_prompt_tokens = 0  # of the live requests (the --max-queued-tokens bound)
 
     def append(self, seq: Sequence) -> None:
         self._queue.append(seq)
         self._live.add(seq)
+        self.num_prompt_tokens += seq.num_prompt_tokens
 
     def appendleft(self, seq: Sequence) -> None:
         self._queue.appendleft(seq)
         self._live.add(seq)
+        self.num_prompt_tokens += seq.num_prompt_tokens
 
     def popleft(self) -> Sequence:
         seq = self._queue.popleft()
         self._live.remove(seq)
+        self.num_prompt_tokens -= seq.num_prompt_tokens
         self._trim()
         return seq
 
     def remove(self, seq: Sequence) -> None:
         self._live.remove(seq)  # KeyError, as deque.remove's ValueError, for a request not queued
+        self.num_prompt_tokens -= seq.num_prompt_tokens
         self._gone.add(seq)
         self._trim()
         if len(self._gone) > max(len(self._live), 64):
@@ -100,7 +115,9 @@ class WaitQueue:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: tuple[int, ...] = (), policy: str = "prefill-first"):
+                 eos_token_ids: tuple[int, ...] = (), policy: str = "prefill-first", max_queued_requests: int = 0,
+                 max_queued_tokens: int = 0):
+        """`max_queued_requests`, `max_queued_tokens`: the waiting queue's bounds (0: unbounded)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.policy = policy
@@ -119,14 +136,48 @@ class Scheduler:
         self.num_prefix_hits = 0  # of those, tokens found cached
         # Seconds from arrival to first admission, per request, while a metrics reader drains them (None: nobody).
         self.queue_times: list[float] | None = None
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        self._deadlines: list[tuple[float, int, Sequence]] = []  # a heap of (deadline, seq_id, seq)
+        self.expired: list[Sequence] = []  # dropped for their deadline, until the engine takes them
+        self.num_expired = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue seq, or raise QueueFull (nothing queued) if that would pass a bound of the queue."""
+        waiting = self.waiting
+        if self.max_queued_requests and len(waiting) >= self.max_queued_requests:
+            raise QueueFull(f"the server's queue is full: {len(waiting)} requests are waiting "
+                            f"(--max-queued-requests {self.max_queued_requests}); retry later")
+        # An empty queue takes any prompt: one longer than the bound could otherwise never run.
+        if self.max_queued_tokens and waiting and waiting.num_prompt_tokens + seq.num_prompt_tokens > \
+                self.max_queued_tokens:
+            raise QueueFull(f"the server's queue is full: {waiting.num_prompt_tokens} prompt tokens are waiting "
+                            f"and this request's {seq.num_prompt_tokens} would pass --max-queued-tokens "
+                            f"{self.max_queued_tokens}; retry later")
+        waiting.append(seq)
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
+
+    def _drop_expired(self) -> None:
+        """Finish the waiting requests whose deadline has passed before their first admission."""
+        now, heap = time.monotonic(), self._deadlines
+        while heap and heap[0][0] <= now:
+            seq = heapq.heappop(heap)[2]
+            if seq in self.waiting and seq.queued_since is not None and not seq.block_table:
+                self.finish(seq, FinishReason.ABORT)
+                self.expired.append(seq)
+                self.num_expired += 1
+        if len(heap) > 2 * len(self.waiting) + 64:
+            # Entries of requests admitted or ended meanwhile would pile up until their deadlines: sweep them.
+            self._deadlines = [e for e in heap if e[2] in self.waiting and e[2].queued_since is not None]
+            heapq.heapify(self._deadlines)
 
     def schedule(self) -> SchedulerOutput:
+        if self._deadlines:
+            self._drop_expired()
         if self.policy == "mixed":
             out = self._schedule_mixed()
         else:

@@ -57,6 +57,7 @@ class Sequence:
         self.num_pending = 0
         self.finish_reason: FinishReason | None = None
         self.queued_since: float | None = time.monotonic()  # None once first admitted (the queue-time metric)
+        self.deadline: float | None = None  # time.monotonic() by which it must be admitted; None: no deadline
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -96,6 +96,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("scheduling_policy", str, "prefill-first", "prefill-first: every waiting prompt before any decode "
            "(nano-vllm's); mixed: decode rows first, prompt chunks in the rest of the token budget",
            _ENGINE, engine=True, choices=("prefill-first", "mixed")),
+    Option("max_queued_requests", int, 0, "requests that may wait for a slot; beyond it Generate gets "
+           "RESOURCE_EXHAUSTED (0: unbounded)", _SERVING, engine=True),
+    Option("max_queued_tokens", int, 0, "prompt tokens of the requests waiting for a slot, in all; beyond it "
+           "Generate gets RESOURCE_EXHAUSTED (0: unbounded)", _SERVING, engine=True),
     Option("kvcache_block_size", int, 0, "tokens per KV block, a power of two >= 16 (0: 256 on GPU, 16 on CPU)",
            _RANKS, engine=True, dataplane_field="block_size", aliases=("--block-size",)),
     Option("num_kvcache_blocks", int, 0, "fix the KV cache size in blocks (0: size it from memory)",

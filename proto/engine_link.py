@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 MAGIC = b"NE"
-VERSION = 2  # 2: the Stats event
+VERSION = 3  # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures
 _HEADER = MAGIC + bytes([VERSION])
 
 
@@ -47,6 +47,7 @@ class Add(msgspec.Struct, frozen=True, tag=True, array_like=True):
     key: int  # the serving process's number for the request: every output and failure names it
     token_ids: list[int]  # the prompt
     sampling: Sampling  # how to sample it
+    timeout_s: float | None  # seconds left of its deadline when sent (the engine adds its own clock); None: none
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -88,15 +89,17 @@ class Delta(msgspec.Struct, frozen=True, tag=True, array_like=True):
 UNAVAILABLE = "unavailable"  # controlplane.errors.DataPlaneUnavailable
 INVALID = "invalid"  # ValueError: the request cannot run on this engine
 ID_IN_USE = "id_in_use"  # controlplane.errors.RequestIdInUse
+EXHAUSTED = "exhausted"  # controlplane.scheduler.QueueFull: the waiting queue is at its bound
+DEADLINE = "deadline"  # controlplane.errors.DeadlineExceeded: its deadline passed while it waited
 INTERNAL = "internal"  # anything else: a bug on the engine side
-FAILURE_KINDS = (UNAVAILABLE, INVALID, ID_IN_USE, INTERNAL)
+FAILURE_KINDS = (UNAVAILABLE, INVALID, ID_IN_USE, EXHAUSTED, DEADLINE, INTERNAL)
 
 
 class Failure(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """A request that ended with an error instead of a finished Delta."""
 
     key: int  # Add.key of the request
-    kind: Literal["unavailable", "invalid", "id_in_use", "internal"]  # one of FAILURE_KINDS
+    kind: Literal["unavailable", "invalid", "id_in_use", "exhausted", "deadline", "internal"]  # FAILURE_KINDS
     message: str  # for the client, as the gRPC status details
 
 

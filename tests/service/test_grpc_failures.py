@@ -226,7 +226,7 @@ def test_a_refused_command_is_a_typed_failure_not_an_engine_process_crash(model)
             stream = Stream("bad", [5, 6], SamplingParams())
             front._by_key[key] = stream
             try:
-                front._send(link.Add(key, [5, 6], link.Sampling(-1.0, 1.0, 0, 0.0, 4, None, False, [])))
+                front._send(link.Add(key, [5, 6], link.Sampling(-1.0, 1.0, 0, 0.0, 4, None, False, []), None))
                 return await asyncio.wait_for(stream.queue.get(), 10)
             finally:
                 front._by_key.pop(key, None)

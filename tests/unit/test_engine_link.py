@@ -23,7 +23,7 @@ texts = st.text(max_size=60)
 samplings = st.builds(link.Sampling, floats, floats, ints, floats, counts, st.none() | ints, st.booleans(),
                       token_lists)
 commands = st.one_of(
-    st.builds(link.Add, counts, token_lists, samplings),
+    st.builds(link.Add, counts, token_lists, samplings, st.none() | floats),
     st.builds(link.Abort, counts, st.booleans()),
     st.builds(link.SetReady, st.booleans(), texts),
     st.just(link.Stop()))
