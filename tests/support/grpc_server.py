@@ -60,12 +60,14 @@ class ServerThread:
     """A server on its own event loop in a daemon thread, so tests can use the blocking client."""
 
     def __init__(self, model: str, flaky: bool = False, front: str = "in-process", security=None,
-                 metrics: bool = False):
+                 metrics: bool = False, **engine_options):
         """`flaky` (in-process only): a FlakyDataPlane, and a recover hook that counts restarts.
         `security`: the port's ServerSecurity (TLS, tokens), in-process only.
-        `metrics`: keep a Metrics registry and serve it on 127.0.0.1:`metrics_port`."""
+        `metrics`: keep a Metrics registry and serve it on 127.0.0.1:`metrics_port`.
+        `engine_options`: EngineConfig fields to set (max_num_seqs below SEQS, queue bounds)."""
         self.metrics = Metrics("tiny") if metrics else None
-        cfg = EngineConfig(model, device="cpu", max_model_len=MAX_LEN, num_kvcache_blocks=BLOCKS, max_num_seqs=SEQS)
+        cfg = EngineConfig(model, **{"device": "cpu", "max_model_len": MAX_LEN, "num_kvcache_blocks": BLOCKS,
+                                     "max_num_seqs": SEQS, **engine_options})
         self.restarts = 0
         self.supervisor: DataPlaneSupervisor | None = None  # the engine process's data plane, as serve keeps it
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -152,9 +154,10 @@ def wait_health(client: Client, want: str, timeout: float = 5.0) -> None:
 
 
 @contextmanager
-def serving(model: str, flaky: bool = False, front: str = "in-process") -> Iterator[tuple[ServerThread, Client]]:
+def serving(model: str, flaky: bool = False, front: str = "in-process",
+            **engine_options) -> Iterator[tuple[ServerThread, Client]]:
     """A server of its own and a client of it, for a test that breaks or slows what it serves."""
-    s = ServerThread(model, flaky, front)
+    s = ServerThread(model, flaky, front, **engine_options)
     try:
         with Client(s.address) as client:
             yield s, client
