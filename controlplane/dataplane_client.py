@@ -28,15 +28,14 @@ import threading
 import time
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from nanoplane.controlplane.errors import (
     DataPlaneUnavailable,  # one "data plane gone" error; the API maps it to UNAVAILABLE
 )
 from nanoplane.controlplane.launches import Launch, Rank
+from nanoplane.controlplane.plane_port import PlanePort
 from nanoplane.liveness import Liveness
 from nanoplane.plane_keys import PlaneKeys
-from nanoplane.process import terminate
 from nanoplane.proto import codec
 from nanoplane.proto.exit_codes import ExitCode
 from nanoplane.proto.plane import PlaneInfo, StepDescriptor, StepResult
@@ -69,28 +68,8 @@ class RemoteDataPlane:
             step_timeout = read_tuning().step_timeout
         self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
         self.start_timeout, self.pending_timeout = start_timeout, pending_timeout
-        self._ctx = zmq.Context()
-        self._auth: ThreadAuthenticator | None = None
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        if keys is not None:
-            # pyzmq's ZAP handler: a peer without an authorised key never completes its handshake.
-            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("nanoplane.plane_auth"))
-            self._auth.start()
-            self._auth.configure_curve(domain="*", location=keys.authorized)
-            keys.apply(self._sock)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a departed rank fails instead of vanishing
-        # A blocking recv with a timeout, not Socket.poll (which builds a Poller per call): the
-        # execute loop waits in recv and wakes at least every 100 ms for liveness checks.
-        self._sock.rcvtimeo = 100
-        try:
-            self._sock.bind(address)
-        except zmq.ZMQError:  # a taken port or a bad address: leave no thread or context behind
-            if self._auth is not None:
-                self._auth.stop()
-            self._sock.close(0)
-            self._ctx.term()
-            raise
-        self.address: str = self._sock.last_endpoint.decode()
+        self._port = PlanePort(address, keys)
+        self._sock, self.address = self._port.sock, self._port.address
         self._lock = threading.Lock()  # the socket and all state below belong to whoever holds it
         self._launches: dict[int, Launch] = {}
         self._retired: dict[int, None] = {}  # an ordered set: see RETIRED_KEPT
@@ -222,9 +201,7 @@ class RemoteDataPlane:
             self._failure = "the data-plane client is closed"
             self._sock.close(linger=1000 if stop_data_plane else 0)
         self._watcher.join(timeout=5)
-        if self._auth is not None:
-            self._auth.stop()
-        terminate(self._ctx, "data-plane")
+        self._port.release()
 
     # Everything below runs with self._lock held.
 
