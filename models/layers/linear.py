@@ -13,11 +13,11 @@ from torch import nn
 
 from nanoplane.models.layers.fused import fused_kernels_enabled
 from nanoplane.models.layers.parallel import all_reduce, divide, tp_rank, tp_size
+from nanoplane.settings import Tuning
 
 # Up to this many rows (a small- or mid-batch decode step) a linear layer mostly streams its weight,
 # which kernels.skinny_gemm does in one launch and under programmatic dependent launch, unlike cuBLAS.
-DEFAULT_SKINNY_MAX_ROWS = 64
-SKINNY_MAX_ROWS = DEFAULT_SKINNY_MAX_ROWS
+SKINNY_MAX_ROWS = Tuning().skinny_max_rows  # NANOPLANE_SKINNY_MAX_ROWS's default; the data plane sets its value
 
 
 def set_skinny_max_rows(rows: int) -> None:
