@@ -65,6 +65,10 @@ def validate_request(token_ids: list[int], params: SamplingParams, vocab_size: i
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                 raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in "
                                  f"[0, {vocab_size})")
+    bad_bias = [t for t in params.logit_bias if t >= vocab_size]
+    if bad_bias:
+        raise ValueError(f"invalid sampling parameter logit_bias: token id {bad_bias[0]} is outside the "
+                         f"vocabulary (ids are below {vocab_size})")
     total = len(token_ids) + params.max_tokens
     if total > max_model_len:
         raise ValueError(f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total}, "
@@ -192,7 +196,8 @@ class Engine:
             assert not seq.num_pending, "a request is admitted only once its tokens are known"
             new_requests.append(NewRequest(seq.seq_id, seq.slot, int32_column(seq.token_ids),
                                            int32_column(seq.block_table), seq.num_computed_tokens,
-                                           seq.params.to_spec()))
+                                           seq.params.to_spec(self.scheduler.eos_token_ids, seq.sample_index),
+                                           seq.num_prompt_tokens))
             seq.num_sent_blocks = len(seq.block_table)
         offsets, appended = [0], []
         for seq in out.seqs:

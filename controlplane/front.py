@@ -18,7 +18,7 @@ from typing import Protocol
 from nanoplane.controlplane.engine import Engine, validate_request
 from nanoplane.controlplane.errors import RequestIdInUse
 from nanoplane.controlplane.sampling_params import SamplingParams
-from nanoplane.controlplane.sequence import FinishReason
+from nanoplane.controlplane.sequence import FinishReason, Logprob
 
 # A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
 # after its per-try timeout, a client reconnecting) can get here before the cancelled call's handler
@@ -46,10 +46,18 @@ class Output:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    index: int = 0  # which of the request's n samples gained these tokens
+    logprobs: list[Logprob] | None = None  # one per entry of token_ids, when the request asked
+    prompt_logprobs: list[Logprob | None] | None = None  # the whole prompt's (None for token 0), once, on sample 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
 
     def merge(self, later: Output) -> None:
-        """Fold a later output into this one (a consumer that fell behind sends one message)."""
+        """Fold a later output of the same sample into this one (a consumer that fell behind sends one message)."""
         self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.stop_reason = later.stop_reason
         self.finished, self.finish_reason = later.finished, later.finish_reason
         self.num_completion_tokens = later.num_completion_tokens
         self.num_cached_tokens = later.num_cached_tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from enum import Enum, auto
 from itertools import count
 
@@ -18,9 +19,21 @@ class SequenceStatus(Enum):
 
 
 class FinishReason(Enum):
-    STOP = "stop"  # end-of-sequence or a stop token
+    STOP = "stop"  # a stop token id or stop string (Sequence.stop_reason says which)
+    EOS = "eos"  # the model's end-of-sequence token
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the caller or lost to a data-plane failure
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log probabilities at one position, from the model's raw distribution (before penalties,
+    logit bias, masks and temperature, as vLLM returns them by default)."""
+
+    token_id: int  # the token at this position: the sampled one, or the prompt's
+    logprob: float  # its log probability
+    rank: int  # 1 + the number of tokens more likely than it
+    top: list[tuple[int, float]]  # the N most likely (token id, logprob), most likely first
 
 
 class Sequence:
@@ -58,6 +71,14 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.queued_since: float | None = time.monotonic()  # None once first admitted (the queue-time metric)
         self.deadline: float | None = None  # time.monotonic() by which it must be admitted; None: no deadline
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.sample_index = 0  # which of its request's n samples this is
+        self.group: list[Sequence] = [self]  # every sample of the request, sample 0 first
+        # One entry per output token when params.logprobs is set (pending tokens have none yet).
+        self.logprobs: list[Logprob] | None = [] if params.logprobs is not None else None
+        # One entry per prompt token when params.prompt_logprobs is set; the first token has none.
+        self.prompt_logprobs: list[Logprob | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.grammar = None  # its structured-output matcher (controlplane/structured.py); None without one
 
     def __len__(self) -> int:
         return len(self.token_ids)

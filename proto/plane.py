@@ -40,6 +40,24 @@ class SamplingSpec:
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1 disables
     min_p: float = 0.0  # drop tokens below min_p * p(max); 0 disables
     seed: int | None = None  # keys the request's noise with each drawn position; None: the plane's shared stream
+    # The logits processors below run on the raw logits in this order, before temperature and the
+    # filters: token bitmask (StepDescriptor.bitmask), min_tokens mask, logit bias, repetition
+    # penalty, then frequency and presence penalties. Their neutral values cost a row nothing.
+    presence_penalty: float = 0.0  # subtract this from each logit of a token the output holds at least once
+    frequency_penalty: float = 0.0  # subtract this times the token's count in the output
+    repetition_penalty: float = 1.0  # HuggingFace's rule over prompt and output tokens: logit / p if > 0, else * p
+    min_tokens: int = 0  # stop_ids are masked (-inf) while the output holds fewer tokens than this
+    stop_ids: np.ndarray = field(default_factory=int32_column)  # int32: end-of-sequence and stop ids min_tokens masks
+    logit_bias_ids: np.ndarray = field(default_factory=int32_column)  # int32 [B]: token ids to bias, each once
+    logit_bias_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [B]: added
+    logprobs: int = -1  # -1: none; N >= 0: the sampled token's logprob and the top N (raw model distribution)
+    prompt_logprobs: int = -1  # -1: none; N >= 0: each prompt token's logprob (from position 1) and the top N
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor above changes this row's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or (self.min_tokens and len(self.stop_ids)) or len(self.logit_bias_ids))
 
 
 @dataclass(slots=True)
@@ -52,6 +70,9 @@ class NewRequest:
     block_ids: np.ndarray  # int32: the request's whole block table at admission
     num_cached_tokens: int  # leading tokens whose KV the prefix cache already holds in block_ids
     sampling: SamplingSpec  # sampling parameters for rank 0
+    # Tokens of token_ids that are the prompt; the rest are output kept over a preemption. Output
+    # counts (penalties, min_tokens) start after them; prompt logprobs cover them. -1: all of token_ids.
+    num_prompt_tokens: int = -1
 
 
 @dataclass(slots=True)
@@ -69,6 +90,15 @@ class StepDescriptor:
     appended_offsets: np.ndarray = field(default_factory=lambda: int32_column([0]))  # int32 [R + 1]
     appended_block_ids: np.ndarray = field(default_factory=int32_column)  # int32 [sum of appends]
     free_slots: np.ndarray = field(default_factory=int32_column)  # int32: slots whose requests ended; applied first
+    # KV blocks to copy before the step runs (after frees and admissions), pair i: copy_src[i] ->
+    # copy_dst[i] in every layer. A forked sample (n > 1) gets its own copy of the block that holds
+    # its prompt's last token; the full blocks before it are shared.
+    copy_src: np.ndarray = field(default_factory=int32_column)  # int32 [C]
+    copy_dst: np.ndarray = field(default_factory=int32_column)  # int32 [C]
+    # Allowed-token masks (structured output) for some rows: bitmask[i] applies to row bitmask_rows[i];
+    # bit j of word w allows token 32 * w + j; tokens past the mask's width are not allowed.
+    bitmask_rows: np.ndarray = field(default_factory=int32_column)  # int32 [M]: row indices, ascending
+    bitmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # int32 [M, W]
 
     @property
     def num_rows(self) -> int:
@@ -83,6 +113,24 @@ class StepResult:
     sampled_token_ids: np.ndarray  # int32 [R]: one sampled token per row (ignored for mid-prompt chunks)
     forward_time_s: float = 0.0  # wall time the data plane spent on the step
     error: str = ""  # non-empty when the data plane refused or failed the step
+    # Logprobs of the sampled tokens, for the rows whose request asked (SamplingSpec.logprobs >= 0),
+    # from log_softmax of the raw logits (before processors and temperature). K is the largest N
+    # asked in the step; a row that asked fewer has its extra columns padded with id -1.
+    logprob_rows: np.ndarray = field(default_factory=int32_column)  # int32 [L]: row indices, ascending
+    sampled_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [L]
+    sampled_ranks: np.ndarray = field(default_factory=int32_column)  # int32 [L]: 1 + tokens more likely
+    top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # int32 [L, K], most likely first
+    top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # float32 [L, K]
+    # Prompt logprobs of the rows whose request asked (SamplingSpec.prompt_logprobs >= 0) and whose
+    # chunk covered prompt tokens this step, in CSR form: row prompt_rows[i] gives tokens
+    # prompt_starts[i] .. prompt_starts[i] + n - 1, n = prompt_offsets[i + 1] - prompt_offsets[i]
+    # (a chunk computing positions c .. c + s - 1 gives tokens c + 1 .. min(c + s, prompt - 1), inclusive).
+    prompt_rows: np.ndarray = field(default_factory=int32_column)  # int32 [P]
+    prompt_starts: np.ndarray = field(default_factory=int32_column)  # int32 [P]: first prompt position given
+    prompt_offsets: np.ndarray = field(default_factory=lambda: int32_column([0]))  # int32 [P + 1]
+    prompt_token_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [T]
+    prompt_top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # int32 [T, K2]
+    prompt_top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # float32 [T, K2]
 
 
 @dataclass(slots=True)
