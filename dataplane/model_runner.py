@@ -261,6 +261,8 @@ class ModelRunner:
         st, bs = self.state, self.block_size
         slots, computed, scheduled = desc.slots.astype(np.int64), desc.num_computed, desc.num_scheduled
         num_rows = len(slots)
+        if not num_rows:  # a step of frees or block copies only
+            return torch.zeros(0, dtype=torch.int64, device=self.device), None
         row_of_token = np.repeat(np.arange(num_rows), scheduled)
         cu = np.zeros(num_rows + 1, dtype=np.int32)
         np.cumsum(scheduled, out=cu[1:])
