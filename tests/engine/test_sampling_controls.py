@@ -14,50 +14,13 @@ import random
 import pytest
 import torch
 from support.plane_driver import PlaneDriver
-from transformers import AutoModelForCausalLM
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+from support.sampling_reference import check_logprobs, hf_run, logprob_specs
 
 from nanoplane.controlplane import LLM, SamplingParams
 from nanoplane.dataplane.config import DataPlaneConfig
 from nanoplane.dataplane.local import LocalDataPlane
 from nanoplane.dataplane.model_runner import ModelRunner
 from nanoplane.proto.plane import SamplingSpec, int32_column
-
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
-def hf_model(path) -> torch.nn.Module:
-    if str(path) not in _MODELS:
-        _MODELS[str(path)] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return _MODELS[str(path)]
-
-
-@torch.no_grad()
-def hf_run(path, prompt: list[int], max_tokens: int, presence=0.0, frequency=0.0, repetition=1.0, min_tokens=0,
-           stop_ids=(), bias: dict | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens with the processors in the contract's order, and each step's raw log_softmax."""
-    model = hf_model(path)
-    ids, out, raw = list(prompt), [], []
-    for _ in range(max_tokens):
-        logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
-        raw.append(torch.log_softmax(logits, dim=-1))
-        x = logits.clone()
-        if len(out) < min_tokens:
-            x[list(stop_ids)] = float("-inf")
-        for t, b in (bias or {}).items():
-            x[t] += b
-        if repetition != 1.0:
-            x = RepetitionPenaltyLogitsProcessor(repetition)(torch.tensor([ids]), x[None])[0]
-        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[0]).float()
-        x = x - frequency * counts - presence * (counts > 0).float()  # OpenAI's definition
-        out.append(int(x.argmax()))
-        ids.append(out[-1])
-    return out, raw
-
-
-@torch.no_grad()
-def hf_prompt_logprobs(path, prompt: list[int]) -> torch.Tensor:
-    return torch.log_softmax(hf_model(path)(torch.tensor([prompt]), use_cache=False).logits[0].float(), dim=-1)
 
 
 def prompts(lengths, seed: int) -> list[list[int]]:
@@ -97,52 +60,6 @@ def runner(path, **kw) -> ModelRunner:
                                        max_num_seqs=8, **kw))
 
 
-def check_logprobs(path, recs, lengths, specs, penalties, max_tokens) -> None:
-    for rec, spec, pen in zip(recs, specs, penalties, strict=True):
-        tokens, raw = hf_run(path, rec.prompt, max_tokens, **pen)
-        assert rec.tokens == tokens
-        if spec.logprobs < 0:
-            assert not rec.logprobs
-        else:
-            assert len(rec.logprobs) == max_tokens
-            for (lp, rank, top_ids, top_lps), t, ref in zip(rec.logprobs, tokens, raw, strict=True):
-                assert abs(lp - float(ref[t])) < 1e-4
-                assert rank == 1 + int((ref > ref[t]).sum())
-                values, ids = torch.topk(ref, spec.logprobs)
-                n = spec.logprobs
-                assert set(top_ids[n:]) <= {-1} and set(top_lps[n:]) <= {float("-inf")}  # padding to the step's K
-                top_ids, top_lps = top_ids[:n], top_lps[:n]
-                assert top_lps == pytest.approx(values.tolist(), abs=1e-4)
-                assert [i for i, v in zip(top_ids, values.tolist(), strict=True)
-                        if (ref - v).abs().lt(1e-6).sum() == 1] == [i for i, v in zip(ids.tolist(), values.tolist(),
-                                                                                          strict=True)
-                                                                    if (ref - v).abs().lt(1e-6).sum() == 1]
-        if spec.prompt_logprobs < 0:
-            assert not rec.prompt_logprobs
-            continue
-        ref = hf_prompt_logprobs(path, rec.prompt)
-        assert sorted(rec.prompt_logprobs) == list(range(1, len(rec.prompt)))
-        for pos, (lp, top_ids, top_lps) in rec.prompt_logprobs.items():
-            assert abs(lp - float(ref[pos - 1, rec.prompt[pos]])) < 1e-4
-            n = spec.prompt_logprobs
-            values, ids = torch.topk(ref[pos - 1], n)
-            assert set(top_ids[n:]) <= {-1} and set(top_lps[n:]) <= {float("-inf")}
-            top_ids, top_lps = top_ids[:n], top_lps[:n]
-            assert top_ids == ids.tolist() and top_lps == pytest.approx(values.tolist(), abs=1e-4)
-
-
-def logprob_specs():
-    """Rows asking different N (padding to the step's largest), one with penalties (logprobs stay the
-    raw model's), one asking nothing, one prompt logprobs only."""
-    specs = [SamplingSpec(0.0, logprobs=3, prompt_logprobs=2),
-             SamplingSpec(0.0, logprobs=0, repetition_penalty=1.5, presence_penalty=1.0),
-             SamplingSpec(0.0),
-             SamplingSpec(0.0, prompt_logprobs=0),
-             SamplingSpec(0.0, logprobs=5, logit_bias_ids=int32_column([9]), logit_bias_values=torch.tensor([2.0]).numpy())]
-    penalties = [{}, dict(repetition=1.5, presence=1.0), {}, {}, dict(bias={9: 2.0})]
-    return specs, penalties
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_logprobs_and_prompt_logprobs_match_transformers(tiny_models, fused):
     path = tiny_models["llama-tied"]
@@ -157,7 +74,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(tiny_models, fused):
         assert padded and (padded[0].top_ids[0, 3:] == -1).all()  # row 0 asked 3 of the step's 5
     finally:
         r.close()
-    check_logprobs(path, recs, lengths, specs, penalties, 6)
+    check_logprobs(path, recs, specs, penalties, 6)
 
 
 def test_min_tokens_and_logit_bias(tiny_models):
@@ -213,7 +130,7 @@ def test_tensor_parallel_logprobs_and_penalties(tiny_models, monkeypatch):
         recs = PlaneDriver(plane, 16, chunk=16).generate(prompts(lengths, seed=9), specs, max_tokens=5)
     finally:
         plane.close()
-    check_logprobs(path, recs, lengths, specs, penalties, 5)
+    check_logprobs(path, recs, specs, penalties, 5)
 
 
 def test_kv_block_copies_and_refusals(tiny_models):
