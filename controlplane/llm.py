@@ -13,10 +13,10 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanoplane.controlplane.config import EngineConfig
-from nanoplane.controlplane.detokenizer import TextStream
+from nanoplane.controlplane.detokenizer import TextStream, ended_by_token
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.sampling_params import SamplingParams
-from nanoplane.controlplane.sequence import FinishReason, Logprob, Sequence
+from nanoplane.controlplane.sequence import Logprob, Sequence
 from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.settings import ENGINE_OPTIONS, dataplane_fields
 
@@ -139,7 +139,7 @@ class LLM:
             if entry is None:
                 continue
             stream, pieces = entry
-            pieces.append(stream.push([token_id], finished=seq.is_finished, ended_by_token=_ended_by_token(seq)))
+            pieces.append(stream.push([token_id], seq.is_finished, ended_by_token(seq.finish_reason, seq.stop_reason)))
             if stream.stopped:
                 stopped += not seq.is_finished
                 self.engine.stop_on_string(seq, stream.stop_reason)
@@ -152,7 +152,7 @@ class LLM:
         """A finished request's text, with its text options."""
         p = seq.params
         ids = seq.completion_token_ids
-        if _ended_by_token(seq) and not p.include_stop_str_in_output:
+        if ended_by_token(seq.finish_reason, seq.stop_reason) and not p.include_stop_str_in_output:
             ids = ids[:-1]  # vLLM leaves the ending token's text out
         return self.tokenizer.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
 
@@ -181,12 +181,6 @@ class LLM:
         which skips aborted rows; requests queued before the call stay as they were."""
         for seq in seqs:
             self.engine.abort(seq.seq_id)
-
-
-def _ended_by_token(seq: Sequence) -> bool:
-    """Whether the last output token ended the request: end-of-sequence or a stop token id."""
-    return seq.finish_reason is FinishReason.EOS or \
-        (seq.finish_reason is FinishReason.STOP and isinstance(seq.stop_reason, int))
 
 
 def _as_dict(entry: Logprob) -> dict[int, float]:
