@@ -41,8 +41,10 @@ class DataPlaneClient(Protocol):
 class StepOutput:
     """What a step's result did. With steps in flight, that is the result of an earlier step."""
 
-    produced: list[tuple[Sequence, int]]  # (request, its new output token), for each token that counts
-    finished: list[Sequence]  # requests that ended with this result
+    # (sample, its new output token), for each token that counts. A request with n > 1 has a Sequence
+    # per sample: sample.group[0] is the one add_request returned, sample.sample_index says which.
+    produced: list[tuple[Sequence, int]]
+    finished: list[Sequence]  # samples that ended with this result (a request is done once its whole group is)
     num_tokens: int  # tokens the step computed
     is_prefill: bool
     forward_time_s: float = 0.0
@@ -118,12 +120,19 @@ class Engine:
         """Queue a request. `validated`: the caller has just run validate() on these very arguments
         (a batch checked whole before any of it is queued), so the per-token pass is not run twice.
         `deadline`: the time.monotonic() by which it must start, else it is dropped (take_expired).
-        Raises ValueError, or scheduler.QueueFull when the waiting queue is at its bound."""
+        Raises ValueError, or scheduler.QueueFull when the waiting queue is at its bound.
+
+        With params.n > 1 the request has n samples, seq.group (sample i draws with seed + i); the
+        returned one is sample 0, whose prompt is computed once and shared with the others."""
         token_ids = list(token_ids)
         if not validated:
             self.validate(token_ids, params)
         seq = Sequence(token_ids, params, self.block_size)
         seq.deadline = deadline
+        if params.n > 1:
+            seq.group = [seq] + [Sequence(token_ids, params, self.block_size) for _ in range(1, params.n)]
+            for i, sample in enumerate(seq.group[1:], 1):
+                sample.sample_index, sample.group, sample.queued_since = i, seq.group, None
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
         return seq
@@ -136,10 +145,12 @@ class Engine:
         return expired
 
     def abort(self, seq_id: int) -> None:
-        """Drop a request at once, wherever it is, and free its blocks; unknown ids are ignored."""
+        """Drop a request (every sample of it) at once, wherever it is, and free its blocks; unknown
+        ids are ignored."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            for sample in reversed(seq.group):  # forks first: they would otherwise outlive sample 0 as requests
+                self.scheduler.finish(sample, FinishReason.ABORT)
 
     def stats(self) -> tuple[int, int, int, int]:
         """(running, waiting, KV blocks held by live requests, KV blocks in all)."""
@@ -186,7 +197,8 @@ class Engine:
         produced = self.scheduler.postprocess(out, result.sampled_token_ids.tolist())
         finished = [seq for seq, _ in produced if seq.is_finished]
         for seq in finished:
-            self.seqs.pop(seq.seq_id, None)
+            if len(seq.group) == 1 or all(sample.is_finished for sample in seq.group):
+                self.seqs.pop(seq.group[0].seq_id, None)
         return StepOutput(produced, finished, num_tokens, out.is_prefill, result.forward_time_s, out.seqs)
 
     def describe(self, out: SchedulerOutput) -> StepDescriptor:
@@ -214,6 +226,8 @@ class Engine:
             appended_offsets=int32_column(offsets),
             appended_block_ids=int32_column(appended),
             free_slots=int32_column(out.freed_slots),
+            copy_src=int32_column([src for src, _ in out.copies]),
+            copy_dst=int32_column([dst for _, dst in out.copies]),
         )
         self.step_id += 1
         return desc
