@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import FinishReason, Sequence
 from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.settings import ENGINE_OPTIONS, dataplane_fields
 
@@ -59,7 +60,9 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Run prompts to completion; returns [{"text", "token_ids"}] in input order.
+        """Run prompts to completion; returns [{"text", "token_ids", ...}] in input order, and for a
+        prompt with n > 1 samples "outputs": a dict per sample (text, token_ids, finish_reason,
+        logprobs); the top-level text and token_ids are sample 0's.
 
         One bad prompt raises ValueError ("prompt i: ...") and the call leaves no request behind. With
         a step kept in flight, prompts are checked and queued a step's worth ahead of the scheduler
@@ -110,10 +113,26 @@ class LLM:
             elif out.num_tokens:
                 decode_tps = out.num_tokens / dt
             pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s", Decode=f"{int(decode_tps)}tok/s")
-            pbar.update(len(out.finished))
+            pbar.update(len({s.group[0].seq_id for s in out.finished if all(x.is_finished for x in s.group)}))
         pbar.close()
-        return [{"text": texts[s.seq_id] if s.seq_id in texts else self.tokenizer.decode(s.completion_token_ids),
-                 "token_ids": s.completion_token_ids} for s in seqs]
+        results = []
+        for seq in seqs:
+            result = {"text": self._text(seq, texts), "token_ids": seq.completion_token_ids}
+            if seq.params.n > 1:
+                result["outputs"] = [self._sample(s, texts) for s in seq.group]
+            results.append(result)
+        return results
+
+    def _text(self, seq: Sequence, texts: dict[int, str]) -> str:
+        return texts[seq.seq_id] if seq.seq_id in texts else self.tokenizer.decode(seq.completion_token_ids)
+
+    def _sample(self, seq: Sequence, texts: dict[int, str]) -> dict:
+        """One sample's result: its text, tokens, why it ended and its per-token logprobs (None unless asked)."""
+        reason = seq.finish_reason
+        logprobs = None if seq.logprobs is None else [{**dict(lp.top), lp.token_id: lp.logprob} for lp in seq.logprobs]
+        return {"text": self._text(seq, texts), "token_ids": seq.completion_token_ids,
+                "finish_reason": "stop" if reason is FinishReason.EOS else reason.value if reason else None,
+                "logprobs": logprobs}
 
     def _queue(self, ids: list[list[int]], params: list[SamplingParams], start: int, stop: int) -> list:
         """Check prompts [start, stop), then queue them: none of them is queued if one is bad."""
