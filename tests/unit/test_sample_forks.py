@@ -203,9 +203,26 @@ def test_forks_under_preemption_give_the_unpressured_outputs(model_dir, depth):
     run(free_engine)
     engine, _ = make_engine(model_dir, num_blocks=12, depth=depth)
     seqs = [engine.add_request(p, params) for p in prompts]
+    preempted, preempt = [], engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: (preempted.append(seq.sample_index), preempt(seq))
     run(engine)
-    assert engine.scheduler.num_preemptions > 0
+    assert any(preempted)  # forks were preempted and recomputed from the prefix cache
     assert [outputs(s) for s in seqs] == [outputs(s) for s in free]
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_forks_wait_for_sample_0_preempted_before_they_joined(model_dir, depth):
+    """Two blocks: the older request's first decode step takes sample 0's block before its forks can
+    join; they wait for its prompt to be computed again (or run on their own once it ends)."""
+    engine, _ = make_engine(model_dir, num_blocks=2, depth=depth)
+    first = engine.add_request(prompt_of(4, 5), SamplingParams(temperature=1.0, seed=4, max_tokens=4, ignore_eos=True))
+    params = SamplingParams(temperature=1.0, seed=8, n=3, max_tokens=4, ignore_eos=True)
+    seq = engine.add_request(prompt_of(4), params)
+    preempted, preempt = [], engine.scheduler.preempt
+    engine.scheduler.preempt = lambda s: (preempted.append((s.sample_index, engine.scheduler.num_forks)), preempt(s))
+    run(engine)
+    assert (0, 0) in preempted and first.finish_reason is FinishReason.LENGTH
+    assert outputs(seq) == [alone(model_dir, prompt_of(4), params, i) for i in range(3)]
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
