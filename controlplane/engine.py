@@ -133,6 +133,7 @@ class Engine:
             seq.group = [seq] + [Sequence(token_ids, params, self.block_size) for _ in range(1, params.n)]
             for i, sample in enumerate(seq.group[1:], 1):
                 sample.sample_index, sample.group, sample.queued_since = i, seq.group, None
+                sample.prompt_logprobs = None  # the prompt's are sample 0's alone
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
         return seq
@@ -206,9 +207,11 @@ class Engine:
         new_requests = []
         for seq in out.new_seqs:
             assert not seq.num_pending, "a request is admitted only once its tokens are known"
+            spec = seq.params.to_spec(self.scheduler.eos_token_ids, seq.sample_index)
+            if seq.sample_index:
+                spec.prompt_logprobs = -1  # sample 0 alone computes (and reports) the prompt's
             new_requests.append(NewRequest(seq.seq_id, seq.slot, int32_column(seq.token_ids),
-                                           int32_column(seq.block_table), seq.num_computed_tokens,
-                                           seq.params.to_spec(self.scheduler.eos_token_ids, seq.sample_index),
+                                           int32_column(seq.block_table), seq.num_computed_tokens, spec,
                                            seq.num_prompt_tokens))
             seq.num_sent_blocks = len(seq.block_table)
         offsets, appended = [0], []

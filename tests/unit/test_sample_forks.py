@@ -275,3 +275,13 @@ def test_fork_shares_full_blocks_and_balances_ref_counts():
     assert bm.num_used_blocks == 3
     bm.deallocate(child)
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == 10
+
+
+def test_forks_draw_with_their_own_seed_and_leave_prompt_logprobs_to_sample_0(model_dir):
+    engine, dp = make_engine(model_dir)
+    seq = engine.add_request(prompt_of(6), SamplingParams(temperature=1.0, seed=20, n=3, prompt_logprobs=2))
+    run(engine)
+    specs = {r.request_id: r.sampling for d in dp.descriptors for r in d.new_requests}
+    assert [specs[s.seq_id].seed for s in seq.group] == [20, 21, 22]
+    assert [specs[s.seq_id].prompt_logprobs for s in seq.group] == [2, -1, -1]
+    assert [s.prompt_logprobs is None for s in seq.group] == [False, True, True]
