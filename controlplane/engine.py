@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.logprobs import take_logprobs, take_prompt_logprobs, wants_prompt_logprobs
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.scheduler import Scheduler, SchedulerOutput
 from nanoplane.controlplane.sequence import FinishReason, Sequence
@@ -153,6 +154,14 @@ class Engine:
             for sample in reversed(seq.group):  # forks first: they would otherwise outlive sample 0 as requests
                 self.scheduler.finish(sample, FinishReason.ABORT)
 
+    def stop_on_string(self, seq: Sequence, stop: str) -> None:
+        """End a request whose text reached the stop string `stop` (finish reason STOP) and free its
+        blocks at once. One that ended with the same result (its last token) takes this reason instead,
+        as in vLLM, where stop strings are judged after the tokens."""
+        self.scheduler.finish(seq, FinishReason.STOP)
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+        self._forget(seq)
+
     def stats(self) -> tuple[int, int, int, int]:
         """(running, waiting, KV blocks held by live requests, KV blocks in all)."""
         s = self.scheduler
@@ -195,12 +204,22 @@ class Engine:
             raise RuntimeError(f"data plane failed step {step_id}: {result.error}")
         if result.step_id != step_id:
             raise RuntimeError(f"data plane answered step {result.step_id} to step {step_id}")
-        produced = self.scheduler.postprocess(out, result.sampled_token_ids.tolist())
+        token_ids = result.sampled_token_ids.tolist()
+        # Only rows that asked come back with logprobs: a step where none did costs a length test.
+        if len(result.logprob_rows):
+            take_logprobs(out.seqs, out.produces, result, token_ids)
+        if len(result.prompt_rows):
+            take_prompt_logprobs(out.seqs, result)
+        produced = self.scheduler.postprocess(out, token_ids)
         finished = [seq for seq, _ in produced if seq.is_finished]
         for seq in finished:
-            if len(seq.group) == 1 or all(sample.is_finished for sample in seq.group):
-                self.seqs.pop(seq.group[0].seq_id, None)
+            self._forget(seq)
         return StepOutput(produced, finished, num_tokens, out.is_prefill, result.forward_time_s, out.seqs)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop a finished sample's request from `seqs` once its last sample has finished."""
+        if len(seq.group) == 1 or all(sample.is_finished for sample in seq.group):
+            self.seqs.pop(seq.group[0].seq_id, None)
 
     def describe(self, out: SchedulerOutput) -> StepDescriptor:
         """The step as deltas against what each data-plane slot already holds."""
@@ -208,8 +227,9 @@ class Engine:
         for seq in out.new_seqs:
             assert not seq.num_pending, "a request is admitted only once its tokens are known"
             spec = seq.params.to_spec(self.scheduler.eos_token_ids, seq.sample_index)
-            if seq.sample_index:
-                spec.prompt_logprobs = -1  # sample 0 alone computes (and reports) the prompt's
+            # Sample 0 alone computes (and reports) the prompt's; one readmitted after a preemption holds them already.
+            if seq.sample_index or (seq.prompt_logprobs is not None and not wants_prompt_logprobs(seq)):
+                spec.prompt_logprobs = -1
             new_requests.append(NewRequest(seq.seq_id, seq.slot, int32_column(seq.token_ids),
                                            int32_column(seq.block_table), seq.num_computed_tokens, spec,
                                            seq.num_prompt_tokens))
