@@ -118,3 +118,13 @@ def test_abort_mid_run_frees_everything(llm, after):
     assert all(s.finish_reason is FinishReason.ABORT for s in seq.group)
     assert engine.scheduler.block_manager.num_used_blocks == 0 and not engine.seqs
     assert sorted(engine.scheduler.free_slots) == list(range(engine.scheduler.max_num_seqs))
+
+
+def test_each_sample_carries_its_own_logprobs(llm):
+    prompt = random_prompts([21], seed=9)[0]
+    outs = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, logprobs=2,
+                                                 ignore_eos=True), use_tqdm=False)
+    for sample in outs[0]["outputs"]:
+        assert len(sample["logprobs"]) == len(sample["token_ids"]) == 5
+        for token, entry in zip(sample["token_ids"], sample["logprobs"], strict=True):
+            assert token in entry and 2 <= len(entry) <= 3 and all(lp <= 0 for lp in entry.values())

@@ -188,9 +188,9 @@ def test_each_sample_ends_on_its_own(model_dir):
     seq = engine.add_request(prompt_of(6), params)
     run(engine)
     reasons = {r for _, r in outputs(seq)}
-    assert reasons == {FinishReason.STOP, FinishReason.LENGTH}
+    assert reasons == {FinishReason.EOS, FinishReason.LENGTH}
     for tokens, reason in outputs(seq):
-        assert (reason is FinishReason.STOP) == (tokens[-1] == EOS) and len(tokens) <= 30
+        assert (reason is FinishReason.EOS) == (tokens[-1] == EOS) and len(tokens) <= 30
 
 
 @pytest.mark.parametrize("depth", [0, 1])
