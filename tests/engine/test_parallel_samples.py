@@ -50,6 +50,21 @@ def test_seeded_samples_differ_and_each_equals_its_seed_alone(llm):
     assert bm.num_used_blocks == 0 and not llm.engine.seqs
 
 
+def test_mixed_steps_with_chunked_prompts(tiny_models):
+    """Forks join mixed steps beside decode rows and prompt chunks, two steps in flight."""
+    llm = LLM(str(tiny_models["qwen3"]), device="cpu", kvcache_block_size=BS, scheduling_policy="mixed",
+              max_num_batched_tokens=24, steps_in_flight=2)
+    try:
+        prompts = random_prompts([40, 16, 33], seed=4)
+        params = SamplingParams(temperature=1.0, seed=99, n=3, max_tokens=8, ignore_eos=True)
+        got = samples(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.engine.scheduler.num_mixed_steps > 0 and llm.engine.scheduler.num_forks > 0
+        expected = [alone(llm, prompts, params, i) for i in range(3)]
+    finally:
+        llm.close()
+    assert got == [[expected[i][p] for i in range(3)] for p in range(len(prompts))]
+
+
 def test_greedy_samples_all_equal_the_greedy_run(llm, tiny_models):
     prompts = random_prompts([17, 32], seed=2)
     params = SamplingParams(temperature=0, n=3, max_tokens=8, ignore_eos=True)

@@ -285,3 +285,14 @@ def test_forks_draw_with_their_own_seed_and_leave_prompt_logprobs_to_sample_0(mo
     assert [specs[s.seq_id].seed for s in seq.group] == [20, 21, 22]
     assert [specs[s.seq_id].prompt_logprobs for s in seq.group] == [2, -1, -1]
     assert [s.prompt_logprobs is None for s in seq.group] == [False, True, True]
+
+
+@pytest.mark.parametrize("policy", ["prefill-first", "mixed"])
+def test_more_samples_than_slots(model_dir, policy):
+    """Two slots for five samples: forks join as slots free up, the rest run on their own after sample 0."""
+    engine, dp = make_engine(model_dir, max_num_seqs=2, scheduling_policy=policy, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=1.0, seed=30, n=5, max_tokens=6, ignore_eos=True)
+    seq = engine.add_request(prompt_of(11), params)
+    run(engine)
+    assert all(d.num_rows <= 2 and int(d.num_scheduled.sum()) <= 8 for d in dp.descriptors)
+    assert outputs(seq) == [alone(model_dir, prompt_of(11), params, i) for i in range(5)]
