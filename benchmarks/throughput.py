@@ -145,6 +145,16 @@ def run_samples(llm, n: int) -> None:
           f"{s.num_preemptions} |")
 
 
+def sampling_extras(args: argparse.Namespace) -> dict:
+    """The sampling parameters --logprobs and --penalties add to every request (and name in the report)."""
+    extra: dict = {}
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs
+    if args.penalties:
+        extra.update(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    return extra
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", default="", help="default: /tmp/nanoplane-qwen3-<shape>-random")
@@ -157,7 +167,13 @@ def main() -> None:
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
     p.add_argument("--n", type=int, default=1, help="> 1: the first 64 prompts with n samples each, and the KV "
                    "blocks they hold at the peak")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="every request asks the sampled token's logprob and the top N (embedded mode)")
+    p.add_argument("--penalties", action="store_true",
+                   help="every request has presence 0.5, frequency 0.5 and repetition 1.1 penalties (embedded mode)")
     args = p.parse_args()
+    if args.mode == "service" and (args.logprobs is not None or args.penalties or args.n > 1):
+        p.error("--logprobs, --penalties and --n apply to the embedded mode")
     path = Path(args.model_dir or f"/tmp/nanoplane-qwen3-{args.shape}-random")
     if not (path / "model.safetensors").is_file():
         make_random_model(path, args.shape)
@@ -169,10 +185,11 @@ def main() -> None:
     llm = LLM(str(path), enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
     prompts, max_tokens = workload(args.num_seqs)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    extra = sampling_extras(args)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
-    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in warm_tokens],
-                 use_tqdm=False)
+    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra)
+                                for n in warm_tokens], use_tqdm=False)
     if args.n > 1:
         run_samples(llm, args.n)
         return llm.close()
@@ -202,6 +219,7 @@ def main() -> None:
           "| peak GPU GiB | peak RSS GiB |")
     tok_s = total / elapsed
     mode = f"embedded {args.shape} TP={args.tensor_parallel_size}"
+    mode += "".join(f" {k}={v}" for k, v in extra.items())
     if args.tensor_parallel_size > 1:  # the all-reduce rank 0 installed, which may be NCCL after a fallback
         from nanoplane.models.layers import parallel
 

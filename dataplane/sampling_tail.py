@@ -31,6 +31,7 @@ from nanoplane.dataplane.logits_processing import (
     plan_processors,
 )
 from nanoplane.dataplane.logprobs import (
+    HostArrays,
     LogprobPlan,
     PromptPlan,
     plan_logprobs,
@@ -50,6 +51,7 @@ class TailStep:
     raw: torch.Tensor | None = None  # the logprob rows' logits from before the processors, where they changed
     uploaded: list[torch.Tensor] = field(default_factory=list)  # the plans' index arrays on the device
     out: dict[str, torch.Tensor] = field(default_factory=dict)  # device arrays for the result (rank 0)
+    host: HostArrays | None = None  # `out` on its way to the host
 
     @property
     def samples(self) -> bool:
@@ -63,6 +65,24 @@ class SamplingTail:
         self.state, self.upload, self.rank, self.fused = state, upload, rank, fused
         # Only rank 0 samples, so only it keeps the penalties' counts.
         self.penalties = PenaltyState(state.num_slots, vocab_size, device) if rank == 0 else None
+
+    def warmup(self, vocab_size: int, dtype: torch.dtype) -> None:
+        """Compile the tail's kernels now (rank 0 on a GPU), not in the first step that needs them."""
+        if self.rank != 0 or not self.fused or self.penalties.device.type != "cuda":
+            return
+        from nanoplane import kernels
+
+        device = self.penalties.device
+        logits = torch.zeros(2, vocab_size, dtype=dtype, device=device)
+        rows = torch.arange(2, device=device)
+        kernels.apply_bitmask(logits, rows, torch.full((2, -(-vocab_size // 32)), -1, dtype=torch.int32,
+                                                       device=device))
+        pool = torch.zeros(2, vocab_size, dtype=torch.int32, device=device)
+        ones = torch.ones(2, device=device)
+        kernels.apply_penalties(logits, rows, rows, pool, pool.to(torch.uint8), ones, ones, ones)
+        for targets in (rows, rows.to(torch.int32)):  # sampled ids come as int64 (eager) or int32 (graphs)
+            kernels.logprob_stats(logits, rows, targets)
+        torch.cuda.synchronize(device)
 
     def admit(self, desc: StepDescriptor) -> None:
         """After BatchState.apply: free the ended requests' penalty rows, build the admitted ones'."""
