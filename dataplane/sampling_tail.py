@@ -47,16 +47,12 @@ class TailStep:
     processors: ProcessorPlan | None
     logprobs: LogprobPlan | None
     prompt: PromptPlan | None
+    samples: bool  # the sampler's logits are involved (processors or logprobs): whole rows on rank 0
     logits: torch.Tensor | None = None  # the logits `before` processed
     raw: torch.Tensor | None = None  # the logprob rows' logits from before the processors, where they changed
     uploaded: list[torch.Tensor] = field(default_factory=list)  # the plans' index arrays on the device
     out: dict[str, torch.Tensor] = field(default_factory=dict)  # device arrays for the result (rank 0)
     host: HostArrays | None = None  # `out` on its way to the host
-
-    @property
-    def samples(self) -> bool:
-        """Whether the sampler's logits are involved (a step owing only prompt logprobs is not)."""
-        return self.processors is not None or self.logprobs is not None
 
 
 class SamplingTail:
@@ -113,11 +109,15 @@ class SamplingTail:
         if not len(desc.bitmask_rows) and not st.tail[slots].any():  # the common step: one lookup
             return None
         prompt = plan_prompt_logprobs(st, slots, computed, scheduled, cu)
-        processors = None
-        if len(desc.bitmask_rows) or (output & st.processes[slots]).any():
-            processors = plan_processors(st, self.penalties, slots, output, desc.bitmask_rows, desc.bitmask)
-        step = TailStep(processors, plan_logprobs(st, slots, output), prompt)
-        return step if step.samples or prompt is not None else None
+        processes = bool(len(desc.bitmask_rows)) or bool((output & st.processes[slots]).any())
+        samples = processes or bool((output & (st.logprobs[slots] >= 0)).any())
+        if not samples and prompt is None:
+            return None
+        if self.rank != 0:  # another rank only needs to know that rank 0 wants whole rows
+            return TailStep(None, None, prompt, samples)
+        processors = plan_processors(st, self.penalties, slots, output, desc.bitmask_rows, desc.bitmask) \
+            if processes else None
+        return TailStep(processors, plan_logprobs(st, slots, output), prompt, samples)
 
     def prompt_logprobs(self, step: TailStep, hidden: torch.Tensor, compute_logits: Callable,
                         token_buf: torch.Tensor) -> None:
