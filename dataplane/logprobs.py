@@ -122,8 +122,8 @@ def prompt_logprobs(plan: PromptPlan, hidden: torch.Tensor, compute_logits: Call
         if logits is None:
             continue
         every = torch.arange(logits.shape[0], device=logits.device)
-        lse, target_lp, _ = _stats(fused)(logits, every, targets[i:i + PROMPT_CHUNK])
-        part = {"prompt_token_logprobs": target_lp}
+        lse, target_lp, rank = _stats(fused)(logits, every, targets[i:i + PROMPT_CHUNK])
+        part = {"prompt_token_logprobs": target_lp, "prompt_token_ranks": rank}
         _top(part, "prompt_top", logits, lse, plan.k)
         parts.append(part)
     if not parts:
@@ -160,6 +160,7 @@ def fill_result(result: StepResult, lp_plan: LogprobPlan | None, prompt_plan: Pr
         result.prompt_rows, result.prompt_starts = prompt_plan.rows, prompt_plan.starts
         result.prompt_offsets = prompt_plan.offsets
         result.prompt_token_logprobs = host.numpy("prompt_token_logprobs")
+        result.prompt_token_ranks = host.numpy("prompt_token_ranks").astype(np.int32, copy=False)
         result.prompt_top_ids, result.prompt_top_logprobs = _padded(host, "prompt_top", prompt_plan.num)
 
 

@@ -18,7 +18,7 @@ plane in another language would implement.
                  logprob rows L, top K, prompt rows P, prompt tokens T, prompt top K2,
                  int32 sampled[rows], utf-8 error,
                  int32 logprob_rows[L] sampled_ranks[L] top_ids[L * K] prompt_rows[P]
-                       prompt_starts[P] prompt_offsets[P + 1] prompt_top_ids[T * K2],
+                       prompt_starts[P] prompt_offsets[P + 1] prompt_top_ids[T * K2] prompt_token_ranks[T],
                  float32 sampled_logprobs[L] top_logprobs[L * K] prompt_token_logprobs[T]
                          prompt_top_logprobs[T * K2]]
     HELLO, WELCOME, HEARTBEAT  [header <2sBB Q q i i i: launch_id, epoch, rank, world_size, pid]
@@ -263,7 +263,8 @@ def _decode_new_requests(records_frame, data_frame, count: int) -> list[NewReque
 # The result's int32 and float32 arrays, in wire order, each with its shape in the header's
 # dimensions L, K, P, T, K2 ("P+1": the CSR offsets).
 _RESULT_INTS = (("logprob_rows", "L"), ("sampled_ranks", "L"), ("top_ids", "L K"), ("prompt_rows", "P"),
-                ("prompt_starts", "P"), ("prompt_offsets", "P+1"), ("prompt_top_ids", "T K2"))
+                ("prompt_starts", "P"), ("prompt_offsets", "P+1"), ("prompt_top_ids", "T K2"),
+                ("prompt_token_ranks", "T"))
 _RESULT_FLOATS = (("sampled_logprobs", "L"), ("top_logprobs", "L K"), ("prompt_token_logprobs", "T"),
                   ("prompt_top_logprobs", "T K2"))
 

@@ -86,7 +86,7 @@ def results(draw) -> StepResult:
                       sampled_logprobs=reals(n), sampled_ranks=ints(n), top_ids=ints(n, k), top_logprobs=reals(n, k),
                       prompt_rows=ints(len(spans)), prompt_starts=ints(len(spans)),
                       prompt_offsets=int32_column(np.cumsum([0, *spans])), prompt_token_logprobs=reals(t),
-                      prompt_top_ids=ints(t, k2), prompt_top_logprobs=reals(t, k2))
+                      prompt_top_ids=ints(t, k2), prompt_top_logprobs=reals(t, k2), prompt_token_ranks=ints(t))
 
 
 def same(a, b) -> bool:
@@ -207,7 +207,8 @@ def test_result_logprobs_round_trip_and_bad_csr_is_refused():
                         top_logprobs=np.array([[-0.1, -np.inf]], np.float32), prompt_rows=int32_column([0]),
                         prompt_starts=int32_column([1]), prompt_offsets=int32_column([0, 2]),
                         prompt_token_logprobs=f32_column([-1.0, -2.0]), prompt_top_ids=np.array([[5], [6]], np.int32),
-                        prompt_top_logprobs=np.array([[-0.2], [-0.3]], np.float32))
+                        prompt_top_logprobs=np.array([[-0.2], [-0.3]], np.float32),
+                        prompt_token_ranks=int32_column([1, 4]))
     frames = wire(codec.encode_result(result, 1, 0))
     assert same(decode(frames).result, result)
     bad = bytearray(frames[3])
