@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 
 from nanoplane.controlplane.front import EngineFront, EngineStats, Output
 from nanoplane.controlplane.metrics_interceptor import StatusCodeInterceptor
+from nanoplane.controlplane.sequence import FinishReason
 
 ENGINE = "0"  # vLLM's engine index label: one engine per server here
 FINISH_REASONS = ("stop", "length", "abort")  # sequence.FinishReason's values, as vLLM spells its own
@@ -166,7 +167,8 @@ class RequestMetrics:
             m.generation_tokens.inc(n)
             self._last = now
         if stopped or out.finished:
-            reason = "stop" if stopped or out.finish_reason is None else out.finish_reason.value
+            # vLLM's label for an end-of-sequence token is "stop" too.
+            reason = "stop" if stopped or out.finish_reason in (None, FinishReason.EOS) else out.finish_reason.value
             m.request_success[reason].inc()
             m.e2e.observe(now - self._start)
 
