@@ -98,6 +98,16 @@ def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+def sampling_extras(args: argparse.Namespace) -> dict:
+    """The sampling parameters --logprobs and --penalties add to every request (and name in the report)."""
+    extra: dict = {}
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs
+    if args.penalties:
+        extra.update(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    return extra
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", default="", help="default: /tmp/nanoplane-qwen3-<shape>-random")
@@ -108,7 +118,13 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="every request asks the sampled token's logprob and the top N (embedded mode)")
+    p.add_argument("--penalties", action="store_true",
+                   help="every request has presence 0.5, frequency 0.5 and repetition 1.1 penalties (embedded mode)")
     args = p.parse_args()
+    if args.mode == "service" and (args.logprobs is not None or args.penalties):
+        p.error("--logprobs and --penalties apply to the embedded mode")
     path = Path(args.model_dir or f"/tmp/nanoplane-qwen3-{args.shape}-random")
     if not (path / "model.safetensors").is_file():
         make_random_model(path, args.shape)
@@ -120,10 +136,11 @@ def main() -> None:
     llm = LLM(str(path), enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
     prompts, max_tokens = workload(args.num_seqs)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    extra = sampling_extras(args)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
-    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in warm_tokens],
-                 use_tqdm=False)
+    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra)
+                                for n in warm_tokens], use_tqdm=False)
     timings = instrument(llm) if args.profile else None
     steps = pace(llm) if llm.engine.overlap and not args.profile else None
     pauses = watch_gc()
@@ -150,6 +167,7 @@ def main() -> None:
           "| peak GPU GiB | peak RSS GiB |")
     tok_s = total / elapsed
     mode = f"embedded {args.shape} TP={args.tensor_parallel_size}"
+    mode += "".join(f" {k}={v}" for k, v in extra.items())
     if args.tensor_parallel_size > 1:  # the all-reduce rank 0 installed, which may be NCCL after a fallback
         from nanoplane.models.layers import parallel
 

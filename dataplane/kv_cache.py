@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +35,13 @@ def allocate(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dt
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
     return cache
+
+
+def copy_blocks(cache: torch.Tensor, src: np.ndarray, dst: np.ndarray, upload: Callable) -> None:
+    """Blocks src[i] -> dst[i] in every layer's K and V, all read before any is written;
+    `upload(*arrays)` (dataplane.uploader) carries the ids to the device."""
+    src_t, dst_t = upload(src.astype(np.int64), dst.astype(np.int64))
+    cache[:, :, dst_t] = cache[:, :, src_t]
 
 
 def gpu_blocks(model: nn.Module, block_size: int, dtype: torch.dtype, utilization: float) -> int:
