@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.logprobs import take_logprobs, take_prompt_logprobs, wants_prompt_logprobs
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.scheduler import Scheduler, SchedulerOutput
 from nanoplane.controlplane.sequence import FinishReason, Sequence
@@ -141,6 +142,14 @@ class Engine:
         if seq is not None:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
+    def stop_on_string(self, seq: Sequence, stop: str) -> None:
+        """End a request whose text reached the stop string `stop` (finish reason STOP) and free its
+        blocks at once. One that ended with the same result (its last token) takes this reason instead,
+        as in vLLM, where stop strings are judged after the tokens."""
+        self.seqs.pop(seq.seq_id, None)
+        self.scheduler.finish(seq, FinishReason.STOP)
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+
     def stats(self) -> tuple[int, int, int, int]:
         """(running, waiting, KV blocks held by live requests, KV blocks in all)."""
         s = self.scheduler
@@ -183,7 +192,13 @@ class Engine:
             raise RuntimeError(f"data plane failed step {step_id}: {result.error}")
         if result.step_id != step_id:
             raise RuntimeError(f"data plane answered step {result.step_id} to step {step_id}")
-        produced = self.scheduler.postprocess(out, result.sampled_token_ids.tolist())
+        token_ids = result.sampled_token_ids.tolist()
+        # Only rows that asked come back with logprobs: a step where none did costs a length test.
+        if len(result.logprob_rows):
+            take_logprobs(out.seqs, out.produces, result, token_ids)
+        if len(result.prompt_rows):
+            take_prompt_logprobs(out.seqs, result)
+        produced = self.scheduler.postprocess(out, token_ids)
         finished = [seq for seq, _ in produced if seq.is_finished]
         for seq in finished:
             self.seqs.pop(seq.seq_id, None)
@@ -194,9 +209,11 @@ class Engine:
         new_requests = []
         for seq in out.new_seqs:
             assert not seq.num_pending, "a request is admitted only once its tokens are known"
+            spec = seq.params.to_spec(self.scheduler.eos_token_ids, seq.sample_index)
+            if seq.prompt_logprobs is not None and not wants_prompt_logprobs(seq):
+                spec.prompt_logprobs = -1  # readmitted after a preemption: its prompt's are held already
             new_requests.append(NewRequest(seq.seq_id, seq.slot, int32_column(seq.token_ids),
-                                           int32_column(seq.block_table), seq.num_computed_tokens,
-                                           seq.params.to_spec(self.scheduler.eos_token_ids, seq.sample_index),
+                                           int32_column(seq.block_table), seq.num_computed_tokens, spec,
                                            seq.num_prompt_tokens))
             seq.num_sent_blocks = len(seq.block_table)
         offsets, appended = [0], []

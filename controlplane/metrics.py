@@ -167,7 +167,7 @@ class RequestMetrics:
             m.generation_tokens.inc(n)
             self._last = now
         if stopped or out.finished:
-            # vLLM's label for an end-of-sequence token is "stop" too.
+            # vLLM counts the end-of-sequence token as "stop" too.
             reason = "stop" if stopped or out.finish_reason in (None, FinishReason.EOS) else out.finish_reason.value
             m.request_success[reason].inc()
             m.e2e.observe(now - self._start)

@@ -8,6 +8,8 @@ last of them chunked, so running streams keep producing while a long prompt pref
 when the KV cache is full the newest running request is preempted (its blocks freed, to be
 recomputed later) and goes back to the front of the queue (behind a prompt mid-prefill, if any).
 
+A request that asks for prompt logprobs takes no prefix-cache hits: each prompt position is computed.
+
 Admission: `add` refuses a request (QueueFull) when the waiting queue is at --max-queued-requests or
 its prompt tokens would pass --max-queued-tokens; the engine thread adds requests one at a time, so
 the bound holds exactly. A request with a deadline (engine monotonic clock) that passes before it is
@@ -22,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanoplane.controlplane.block_manager import BlockManager
+from nanoplane.controlplane.logprobs import wants_prompt_logprobs
 from nanoplane.controlplane.sequence import FinishReason, Sequence, SequenceStatus
 
 SCHEDULING_POLICIES = ("prefill-first", "mixed")
@@ -206,7 +209,7 @@ class Scheduler:
             if seq.slot < 0 and not self.free_slots or seq.num_pending:
                 break  # no slot free, or a preempted request whose last token is still in flight
             if not seq.block_table:
-                num_cached_blocks = self.block_manager.can_allocate(seq)
+                num_cached_blocks = self._cached_blocks(seq)
                 if num_cached_blocks == -1:
                     break
                 num_tokens = seq.num_tokens - num_cached_blocks * self.block_manager.block_size
@@ -239,6 +242,13 @@ class Scheduler:
                 self.num_chunked_prefills += 1
                 break  # a chunked head takes the rest of the budget
         return out
+
+    def _cached_blocks(self, seq: Sequence) -> int:
+        """Prefix blocks seq may reuse, or -1 if its blocks do not fit now. A request that still wants
+        prompt logprobs reuses none: every prompt position must be computed to give its logprobs."""
+        if wants_prompt_logprobs(seq):
+            return 0 if seq.num_blocks <= self.block_manager.num_free_blocks else -1
+        return self.block_manager.can_allocate(seq)
 
     def _schedule_decode(self, max_rows: int) -> SchedulerOutput:
         out = SchedulerOutput([], False)
@@ -329,9 +339,22 @@ class Scheduler:
             if not produces:
                 continue  # a prefill chunk that stopped before the last prompt token
             produced.append((seq, token_id))
-            params = seq.params
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in seq.stop_ids:
-                self.finish(seq, FinishReason.STOP)
-            elif seq.num_completion_tokens >= params.max_tokens:
+            if (token_id in self.eos_token_ids or token_id in seq.stop_ids) and self._stop_token(seq, token_id):
+                continue
+            if seq.num_completion_tokens >= seq.params.max_tokens:
                 self.finish(seq, FinishReason.LENGTH)
         return produced
+
+    def _stop_token(self, seq: Sequence, token_id: int) -> bool:
+        """End seq on an end-of-sequence or stop token it has just produced, if that may end it now;
+        returns whether it did. Before min_tokens output tokens (this one counted) neither ends it
+        (vLLM's check_stop), and ignore_eos leaves end-of-sequence to the length limit."""
+        params = seq.params
+        if seq.num_completion_tokens < params.min_tokens:
+            return False
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            self.finish(seq, FinishReason.EOS)
+        elif token_id in seq.stop_ids:
+            seq.stop_reason = token_id
+            self.finish(seq, FinishReason.STOP)
+        return seq.is_finished

@@ -24,6 +24,8 @@ class Tokenizer:
         # unless the tokenizer asks for transformers' clean-up of spaces, which only it implements.
         self._backend_decode = None if self.hf.clean_up_tokenization_spaces else self.hf.backend_tokenizer.decode
         self._chat = ChatEncoder(self.hf.backend_tokenizer)
+        self._special = {i: t.content for i, t in self.hf.backend_tokenizer.get_added_tokens_decoder().items()
+                         if t.special}  # id -> text of the tokens skip_special_tokens leaves out
 
     def _eos_ids(self, model_dir: Path) -> tuple[int, ...]:
         # generation_config.json may list several end tokens (chat models end turns with their own).
@@ -64,7 +66,22 @@ class Tokenizer:
             start = end
         return False
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """vLLM's text: special tokens left out, or (skip_special_tokens=False) each decoded as a segment
+        of its own, the segments joined by a space when spaces_between_special_tokens (as HuggingFace's
+        slow tokenizers do; a fast tokenizer has no such option)."""
+        if skip_special_tokens or self._special.keys().isdisjoint(token_ids):
+            return self._decode(token_ids, skip_special_tokens)
+        segments, start = [], 0
+        for i, t in enumerate(token_ids):
+            if t in self._special:
+                segments += [self._decode(token_ids[start:i], False), self._special[t]]
+                start = i + 1
+        segments.append(self._decode(token_ids[start:], False))
+        return (" " if spaces_between_special_tokens else "").join(s for s in segments if s)
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)

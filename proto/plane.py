@@ -130,6 +130,7 @@ class StepResult:
     prompt_starts: np.ndarray = field(default_factory=int32_column)  # int32 [P]: first prompt position given
     prompt_offsets: np.ndarray = field(default_factory=lambda: int32_column([0]))  # int32 [P + 1]
     prompt_token_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [T]
+    prompt_token_ranks: np.ndarray = field(default_factory=int32_column)  # int32 [T]: 1 + tokens more likely
     prompt_top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # int32 [T, K2], padded too
     prompt_top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # float32 [T, K2]
 

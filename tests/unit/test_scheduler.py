@@ -143,7 +143,7 @@ def test_eos_stops_and_abort_frees(model_dir):
     engine.abort(b.seq_id)
     assert b.finish_reason is FinishReason.ABORT
     run(engine)
-    assert a.finish_reason is FinishReason.STOP and a.completion_token_ids[-1] == EOS
+    assert a.finish_reason is FinishReason.EOS and a.completion_token_ids[-1] == EOS
     assert engine.scheduler.block_manager.num_used_blocks == 0
     # the aborted slot is freed in the next descriptor
     assert b_slot in dp.descriptors[2].free_slots.tolist()
@@ -224,7 +224,7 @@ def test_steps_in_flight_give_the_same_outputs(model_dir, num_blocks, depth):
     sync, _ = run_positional(model_dir, depth=0, num_blocks=num_blocks)
     piped, preemptions = run_positional(model_dir, depth=depth, num_blocks=num_blocks)
     assert piped == sync
-    assert sync[1][1] is FinishReason.STOP and sync[1][0][-1] == EOS
+    assert sync[1][1] is FinishReason.EOS and sync[1][0][-1] == EOS
     assert sync[3][1] is FinishReason.LENGTH and len(sync[3][0]) == 28  # EOS ignored
     assert all(len(out) <= 25 + i for i, (out, _) in enumerate(sync))
     if num_blocks == 7:
@@ -290,7 +290,7 @@ def test_mixed_policy_gives_the_same_outputs_within_the_budget(model_dir, depth,
     seeds, _ = run_positional(model_dir, depth=0, num_blocks=num_blocks, budget=budget)
     mixed, preemptions = run_positional(model_dir, depth=depth, num_blocks=num_blocks, budget=budget, policy="mixed")
     assert mixed == seeds
-    assert seeds[1][1] is FinishReason.STOP and seeds[3][1] is FinishReason.LENGTH and len(seeds[3][0]) == 28
+    assert seeds[1][1] is FinishReason.EOS and seeds[3][1] is FinishReason.LENGTH and len(seeds[3][0]) == 28
     if num_blocks < 64:
         assert preemptions > 0
 
