@@ -9,6 +9,7 @@ Prints output tokens/s beside the card's floor (docs/design.md: ~36,400 tok/s on
     python -m benchmarks.throughput [--model-dir /tmp/qwen3-0.6b-random] [--enforce-eager] [--profile]
     python -m benchmarks.throughput --mode service   # nanoplane serve + one gRPC client process, 256 streams
     python -m benchmarks.throughput --shape 8b --tensor-parallel-size 2   # two GPUs
+    python -m benchmarks.throughput --n 4   # the first 64 prompts, 4 samples each: KV blocks at the peak
 """
 
 from __future__ import annotations
@@ -98,6 +99,52 @@ def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+def watch_kv_peak(llm) -> list[dict]:
+    """Record, at the step holding the most KV blocks, the blocks in use beside what the live samples
+    would need with each prompt held once (its full blocks shared by its samples) and held per sample."""
+    scheduler = llm.engine.scheduler
+    bm, schedule, peak = scheduler.block_manager, scheduler.schedule, [{"used": -1}]
+
+    def tracked():
+        out = schedule()
+        if bm.num_used_blocks > peak[0]["used"]:
+            live = [s for s in list(scheduler.running) + list(scheduler.waiting) if s.block_table]
+            groups: dict[int, list] = {}
+            for s in live:
+                groups.setdefault(s.group[0].seq_id, []).append(s)
+            per_sample = sum(len(s.block_table) for s in live)
+            # A request's samples share its prompt's full blocks before the one holding its last token.
+            repeated = sum((g[0].num_prompt_tokens - 1) // bm.block_size * (len(g) - 1) for g in groups.values())
+            peak[0] = {"used": bm.num_used_blocks, "samples": len(live), "requests": len(groups),
+                       "once": per_sample - repeated, "per_sample": per_sample}
+        return out
+
+    scheduler.schedule = tracked
+    return peak
+
+
+def run_samples(llm, n: int) -> None:
+    """The bench's first 64 prompts, n samples each (same sampling as the plain run): output tokens/s
+    and the KV blocks in use at the peak against one prompt plus n outputs per prompt."""
+    from nanoplane.controlplane import SamplingParams
+
+    prompts, max_tokens = workload()
+    prompts, max_tokens = prompts[:64], max_tokens[:64]
+    peak = watch_kv_peak(llm)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m, n=n)
+                                  for m in max_tokens], use_tqdm=True)
+    elapsed = time.perf_counter() - t
+    total = sum(len(o["token_ids"]) for out in outs for o in out.get("outputs", [out]))
+    assert total == n * sum(max_tokens), "every sample runs to max_tokens (ignore_eos)"
+    p, s = peak[0], llm.engine.scheduler
+    print("| mode | output tokens | time (s) | tok/s | peak KV blocks | prompt once + n outputs | "
+          "n prompts + n outputs | live samples (requests) | forks | preemptions |")
+    print(f"| embedded n={n}, 64 prompts | {total} | {elapsed:.2f} | {total / elapsed:,.0f} | {p['used']} | "
+          f"{p['once']} | {p['per_sample']} | {p['samples']} ({p['requests']}) | {s.num_forks} | "
+          f"{s.num_preemptions} |")
+
+
 def sampling_extras(args: argparse.Namespace) -> dict:
     """The sampling parameters --logprobs and --penalties add to every request (and name in the report)."""
     extra: dict = {}
@@ -118,13 +165,15 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
+    p.add_argument("--n", type=int, default=1, help="> 1: the first 64 prompts with n samples each, and the KV "
+                   "blocks they hold at the peak")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="every request asks the sampled token's logprob and the top N (embedded mode)")
     p.add_argument("--penalties", action="store_true",
                    help="every request has presence 0.5, frequency 0.5 and repetition 1.1 penalties (embedded mode)")
     args = p.parse_args()
-    if args.mode == "service" and (args.logprobs is not None or args.penalties):
-        p.error("--logprobs and --penalties apply to the embedded mode")
+    if args.mode == "service" and (args.logprobs is not None or args.penalties or args.n > 1):
+        p.error("--logprobs, --penalties and --n apply to the embedded mode")
     path = Path(args.model_dir or f"/tmp/nanoplane-qwen3-{args.shape}-random")
     if not (path / "model.safetensors").is_file():
         make_random_model(path, args.shape)
@@ -141,6 +190,9 @@ def main() -> None:
     warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
     llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra)
                                 for n in warm_tokens], use_tqdm=False)
+    if args.n > 1:
+        run_samples(llm, args.n)
+        return llm.close()
     timings = instrument(llm) if args.profile else None
     steps = pace(llm) if llm.engine.overlap and not args.profile else None
     pauses = watch_gc()

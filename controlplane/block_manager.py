@@ -141,6 +141,26 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.num_sent_blocks = 0
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int]:
+        """Give child, another sample of parent's prompt (parent's prompt computed), parent's blocks
+        before the one holding the last prompt token by reference, and a fresh block that the data
+        plane fills with a copy of that one; child then computes only its last prompt token.
+        Returns the copy's (source, destination) block ids. Needs one free block (num_free_blocks)."""
+        assert not child.block_table and parent.num_computed_tokens >= child.num_prompt_tokens
+        last = (child.num_prompt_tokens - 1) // self.block_size
+        shared = parent.block_table[:last]
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        copy = self._take_free_block()
+        child.block_table = shared + [copy]
+        # The shared blocks hold prompt tokens only, so parent's hashes of them are child's too.
+        child.block_hashes = parent.block_hashes[:last]
+        # Hashed again from the first block once child's step is back: parent may end before its own
+        # result publishes them, and a chain must never start mid-sequence.
+        child.num_hashed_blocks = 0
+        child.num_computed_tokens = child.num_prompt_tokens - 1
+        return parent.block_table[last], copy
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table covers num_tokens tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))

@@ -42,8 +42,10 @@ class DataPlaneClient(Protocol):
 class StepOutput:
     """What a step's result did. With steps in flight, that is the result of an earlier step."""
 
-    produced: list[tuple[Sequence, int]]  # (request, its new output token), for each token that counts
-    finished: list[Sequence]  # requests that ended with this result
+    # (sample, its new output token), for each token that counts. A request with n > 1 has a Sequence
+    # per sample: sample.group[0] is the one add_request returned, sample.sample_index says which.
+    produced: list[tuple[Sequence, int]]
+    finished: list[Sequence]  # samples that ended with this result (a request is done once its whole group is)
     num_tokens: int  # tokens the step computed
     is_prefill: bool
     forward_time_s: float = 0.0
@@ -119,12 +121,20 @@ class Engine:
         """Queue a request. `validated`: the caller has just run validate() on these very arguments
         (a batch checked whole before any of it is queued), so the per-token pass is not run twice.
         `deadline`: the time.monotonic() by which it must start, else it is dropped (take_expired).
-        Raises ValueError, or scheduler.QueueFull when the waiting queue is at its bound."""
+        Raises ValueError, or scheduler.QueueFull when the waiting queue is at its bound.
+
+        With params.n > 1 the request has n samples, seq.group (sample i draws with seed + i); the
+        returned one is sample 0, whose prompt is computed once and shared with the others."""
         token_ids = list(token_ids)
         if not validated:
             self.validate(token_ids, params)
         seq = Sequence(token_ids, params, self.block_size)
         seq.deadline = deadline
+        if params.n > 1:
+            seq.group = [seq] + [Sequence(token_ids, params, self.block_size) for _ in range(1, params.n)]
+            for i, sample in enumerate(seq.group[1:], 1):
+                sample.sample_index, sample.group, sample.queued_since = i, seq.group, None
+                sample.prompt_logprobs = None  # the prompt's are sample 0's alone
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
         return seq
@@ -137,18 +147,20 @@ class Engine:
         return expired
 
     def abort(self, seq_id: int) -> None:
-        """Drop a request at once, wherever it is, and free its blocks; unknown ids are ignored."""
+        """Drop a request (every sample of it) at once, wherever it is, and free its blocks; unknown
+        ids are ignored."""
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
-            self.scheduler.finish(seq, FinishReason.ABORT)
+            for sample in reversed(seq.group):  # forks first: they would otherwise outlive sample 0 as requests
+                self.scheduler.finish(sample, FinishReason.ABORT)
 
     def stop_on_string(self, seq: Sequence, stop: str) -> None:
         """End a request whose text reached the stop string `stop` (finish reason STOP) and free its
         blocks at once. One that ended with the same result (its last token) takes this reason instead,
         as in vLLM, where stop strings are judged after the tokens."""
-        self.seqs.pop(seq.seq_id, None)
         self.scheduler.finish(seq, FinishReason.STOP)
         seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+        self._forget(seq)
 
     def stats(self) -> tuple[int, int, int, int]:
         """(running, waiting, KV blocks held by live requests, KV blocks in all)."""
@@ -201,8 +213,13 @@ class Engine:
         produced = self.scheduler.postprocess(out, token_ids)
         finished = [seq for seq, _ in produced if seq.is_finished]
         for seq in finished:
-            self.seqs.pop(seq.seq_id, None)
+            self._forget(seq)
         return StepOutput(produced, finished, num_tokens, out.is_prefill, result.forward_time_s, out.seqs)
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop a finished sample's request from `seqs` once its last sample has finished."""
+        if len(seq.group) == 1 or all(sample.is_finished for sample in seq.group):
+            self.seqs.pop(seq.group[0].seq_id, None)
 
     def describe(self, out: SchedulerOutput) -> StepDescriptor:
         """The step as deltas against what each data-plane slot already holds."""
@@ -210,8 +227,9 @@ class Engine:
         for seq in out.new_seqs:
             assert not seq.num_pending, "a request is admitted only once its tokens are known"
             spec = seq.params.to_spec(self.scheduler.eos_token_ids, seq.sample_index)
-            if seq.prompt_logprobs is not None and not wants_prompt_logprobs(seq):
-                spec.prompt_logprobs = -1  # readmitted after a preemption: its prompt's are held already
+            # Sample 0 alone computes (and reports) the prompt's; one readmitted after a preemption holds them already.
+            if seq.sample_index or (seq.prompt_logprobs is not None and not wants_prompt_logprobs(seq)):
+                spec.prompt_logprobs = -1
             new_requests.append(NewRequest(seq.seq_id, seq.slot, int32_column(seq.token_ids),
                                            int32_column(seq.block_table), seq.num_computed_tokens, spec,
                                            seq.num_prompt_tokens))
@@ -231,6 +249,8 @@ class Engine:
             appended_offsets=int32_column(offsets),
             appended_block_ids=int32_column(appended),
             free_slots=int32_column(out.freed_slots),
+            copy_src=int32_column([src for src, _ in out.copies]),
+            copy_dst=int32_column([dst for _, dst in out.copies]),
         )
         self.step_id += 1
         return desc

@@ -66,6 +66,8 @@ class LLM:
         string that ended it, else None), "logprobs" (with SamplingParams.logprobs: one {token id:
         logprob} per output token, its own token included; else None) and "prompt_logprobs" (with
         SamplingParams.prompt_logprobs: the same per prompt token, None for the first; else None).
+        With n > 1 these are sample 0's, and "outputs" holds a dict per sample (text, token_ids,
+        finish_reason, stop_reason, logprobs), in sample order.
 
         One bad prompt raises ValueError ("prompt i: ...") and the call leaves no request behind. With
         a step kept in flight, prompts are checked and queued a step's worth ahead of the scheduler
@@ -105,7 +107,9 @@ class LLM:
                 queued_tokens = tokens
                 for seq in queued:
                     if seq.params.stop:
-                        streams[seq.seq_id] = (TextStream.for_params(self.tokenizer, seq.token_ids, seq.params), [])
+                        for sample in seq.group:  # each sample has its own text and its own stop
+                            streams[sample.seq_id] = (TextStream.for_params(self.tokenizer, sample.token_ids,
+                                                                            sample.params), [])
             if not self.engine.has_work():
                 break
             t = perf_counter()
@@ -114,7 +118,7 @@ class LLM:
             steps += 1
             # A stop string must end its request at once (the rest of its generation is wasted work):
             # requests with stop strings are detokenized as their tokens come.
-            stopped = self._follow_stops(out.produced, streams, texts) if streams else 0
+            stopped = self._follow_stops(out.produced, streams, texts) if streams else []
             # With a step in flight the GPU is busy now: a finished request is detokenized here rather
             # than all of them after the last step, when nothing would hide the time.
             for seq in out.finished:
@@ -125,15 +129,24 @@ class LLM:
             elif out.num_tokens:
                 decode_tps = out.num_tokens / dt
             pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s", Decode=f"{int(decode_tps)}tok/s")
-            pbar.update(len(out.finished) + stopped)
+            # A request is done once all its samples are.
+            pbar.update(len({s.group[0].seq_id for s in out.finished + stopped if all(x.is_finished for x in s.group)}))
         pbar.close()
-        return [self._result(s, texts) for s in seqs]
+        results = []
+        for seq in seqs:
+            result = self._result(seq, texts)
+            if seq.params.n > 1:
+                result["outputs"] = [self._result(s, texts) for s in seq.group]
+                for sample in result["outputs"]:
+                    del sample["prompt_logprobs"]  # the prompt's are the request's, at the top level
+            results.append(result)
+        return results
 
     def _follow_stops(self, produced: list[tuple[Sequence, int]], streams: dict[int, tuple[TextStream, list[str]]],
-                      texts: dict[int, str]) -> int:
+                      texts: dict[int, str]) -> list[Sequence]:
         """Detokenize the new tokens of requests with stop strings; end each whose text reached one.
-        Returns how many ended by a stop string that had not ended otherwise."""
-        stopped = 0
+        Returns those that ended by a stop string and had not ended otherwise."""
+        stopped = []
         for seq, token_id in produced:
             entry = streams.get(seq.seq_id)
             if entry is None:
@@ -141,7 +154,8 @@ class LLM:
             stream, pieces = entry
             pieces.append(stream.push([token_id], seq.is_finished, ended_by_token(seq.finish_reason, seq.stop_reason)))
             if stream.stopped:
-                stopped += not seq.is_finished
+                if not seq.is_finished:
+                    stopped.append(seq)
                 self.engine.stop_on_string(seq, stream.stop_reason)
             if seq.is_finished:
                 texts[seq.seq_id] = "".join(pieces)

@@ -14,6 +14,12 @@ Admission: `add` refuses a request (QueueFull) when the waiting queue is at --ma
 its prompt tokens would pass --max-queued-tokens; the engine thread adds requests one at a time, so
 the bound holds exactly. A request with a deadline (engine monotonic clock) that passes before it is
 first admitted is dropped before prefill and listed in `expired` for the engine to report.
+
+Parallel samples (n > 1): only sample 0 of a request is queued; the other samples (forks) wait in
+`forks` until sample 0's prompt is computed, then join a step as one-token rows that share its full
+prompt blocks and copy the block holding its last prompt token (BlockManager.fork). If sample 0 ends
+first, they are queued at the front as requests of their own (their prompt blocks then come from the
+prefix cache).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from dataclasses import dataclass, field
 from nanoplane.controlplane.block_manager import BlockManager
 from nanoplane.controlplane.logprobs import wants_prompt_logprobs
 from nanoplane.controlplane.sequence import FinishReason, Sequence, SequenceStatus
+from nanoplane.controlplane.wait_queue import WaitQueue
+
+__all__ = ["SCHEDULING_POLICIES", "QueueFull", "Scheduler", "SchedulerOutput", "WaitQueue"]
 
 SCHEDULING_POLICIES = ("prefill-first", "mixed")
 
@@ -40,80 +49,12 @@ class SchedulerOutput:
     is_prefill: bool  # some row computes prompt tokens (a mixed step with any prompt chunk counts)
     new_seqs: list[Sequence] = field(default_factory=list)  # admitted to a slot this step
     freed_slots: list[int] = field(default_factory=list)  # slots released since the last step
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks for forks
     produces: list[bool] = field(default_factory=list)  # per row: the step samples this row's next token
 
     @property
     def num_tokens(self) -> int:
         return sum(seq.num_scheduled_tokens for seq in self.seqs)
-
-
-class WaitQueue:
-    """The requests waiting to be admitted, first in first out, with O(1) membership and removal.
-
-    A deque's `in` and remove scan the queue: a client that dropped 50,000 queued requests held the
-    engine thread for 26 s. Here a removed request is only marked gone, dropped once it reaches an
-    end or swept out when the gone outnumber the live, so the head and the tail are always live, and
-    len() counts live requests only.
-    """
-
-    __slots__ = ("_queue", "_live", "_gone", "num_prompt_tokens")
-
-    def __init__(self) -> None:
-        self._queue: deque[Sequence] = deque()
-        self._live: set[Sequence] = set()  # Sequence hashes by identity
-        self._gone: set[Sequence] = set()  # removed, still somewhere inside _queue
-        self.num_prompt_tokens = 0  # of the live requests (the --max-queued-tokens bound)
-
-    def append(self, seq: Sequence) -> None:
-        self._queue.append(seq)
-        self._live.add(seq)
-        self.num_prompt_tokens += seq.num_prompt_tokens
-
-    def appendleft(self, seq: Sequence) -> None:
-        self._queue.appendleft(seq)
-        self._live.add(seq)
-        self.num_prompt_tokens += seq.num_prompt_tokens
-
-    def popleft(self) -> Sequence:
-        seq = self._queue.popleft()
-        self._live.remove(seq)
-        self.num_prompt_tokens -= seq.num_prompt_tokens
-        self._trim()
-        return seq
-
-    def remove(self, seq: Sequence) -> None:
-        self._live.remove(seq)  # KeyError, as deque.remove's ValueError, for a request not queued
-        self.num_prompt_tokens -= seq.num_prompt_tokens
-        self._gone.add(seq)
-        self._trim()
-        if len(self._gone) > max(len(self._live), 64):
-            # Gone requests behind a blocked head would pile up (with their token lists) for as long
-            # as it stays blocked: sweep them out once they outnumber the live ones (amortised O(1)).
-            self._queue = deque(s for s in self._queue if s not in self._gone)
-            self._gone.clear()
-
-    def _trim(self) -> None:
-        queue, gone = self._queue, self._gone
-        while queue and queue[0] in gone:
-            gone.remove(queue.popleft())
-        while queue and queue[-1] in gone:
-            gone.remove(queue.pop())
-
-    def __getitem__(self, index: int) -> Sequence:
-        assert index in (0, -1), "only the ends of the queue are kept live"
-        return self._queue[index]
-
-    def __contains__(self, seq: Sequence) -> bool:
-        return seq in self._live
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __bool__(self) -> bool:
-        return bool(self._live)
-
-    def __iter__(self):
-        return (seq for seq in self._queue if seq in self._live)
 
 
 class Scheduler:
@@ -144,9 +85,11 @@ class Scheduler:
         self._deadlines: list[tuple[float, int, Sequence]] = []  # a heap of (deadline, seq_id, seq)
         self.expired: list[Sequence] = []  # dropped for their deadline, until the engine takes them
         self.num_expired = 0
+        self.forks: dict[Sequence, list[Sequence]] = {}  # sample 0 -> its samples waiting to fork from it
+        self.num_forks = 0  # samples admitted by forking (tests and metrics)
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.forks
 
     def add(self, seq: Sequence) -> None:
         """Queue seq, or raise QueueFull (nothing queued) if that would pass a bound of the queue."""
@@ -161,6 +104,8 @@ class Scheduler:
                             f"and this request's {seq.num_prompt_tokens} would pass --max-queued-tokens "
                             f"{self.max_queued_tokens}; retry later")
         waiting.append(seq)
+        if len(seq.group) > 1:
+            self.forks[seq] = seq.group[1:]
         if seq.deadline is not None:
             heapq.heappush(self._deadlines, (seq.deadline, seq.seq_id, seq))
 
@@ -170,7 +115,8 @@ class Scheduler:
         while heap and heap[0][0] <= now:
             seq = heapq.heappop(heap)[2]
             if seq in self.waiting and seq.queued_since is not None and not seq.block_table:
-                self.finish(seq, FinishReason.ABORT)
+                for sample in reversed(seq.group):  # its forks wait on it: they go with it
+                    self.finish(sample, FinishReason.ABORT)
                 self.expired.append(seq)
                 self.num_expired += 1
         if len(heap) > 2 * len(self.waiting) + 64:
@@ -187,6 +133,8 @@ class Scheduler:
             out = self._schedule_prefill(SchedulerOutput([], True), self.max_num_batched_tokens)
             if not out.seqs:
                 out = self._schedule_decode(self.max_num_seqs)
+        if self.forks:
+            self._schedule_forks(out)
         if out.seqs:  # freed slots ride on the next descriptor actually sent
             out.freed_slots, self.released_slots = self.released_slots, []
         return out
@@ -278,6 +226,31 @@ class Scheduler:
         self.running.extendleft(reversed(out.seqs + waiting_for_results))
         return out
 
+    def _schedule_forks(self, out: SchedulerOutput) -> None:
+        """Add to out the forks whose sample 0 has its prompt computed, one token each, while a slot,
+        a block and the token budget last."""
+        budget = self.max_num_batched_tokens - out.num_tokens
+        bm = self.block_manager
+        if not out.seqs:
+            out.is_prefill = True  # fork rows compute a prompt token
+        for parent, forks in list(self.forks.items()):
+            if parent.status is not SequenceStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens:
+                continue  # its prompt is not computed yet (or again, after a preemption)
+            while forks and budget > 0 and self.free_slots and bm.num_free_blocks:
+                fork = forks.pop(0)
+                out.copies.append(bm.fork(parent, fork))
+                fork.slot = self.free_slots.pop()
+                fork.status = SequenceStatus.RUNNING
+                fork.num_cached_prompt_tokens = fork.num_computed_tokens
+                fork.num_scheduled_tokens = 1
+                budget -= 1
+                out.new_seqs.append(fork)
+                out.seqs.append(fork)
+                self.running.append(fork)
+                self.num_forks += 1
+            if not forks:
+                del self.forks[parent]
+
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
@@ -290,6 +263,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.block_manager.deallocate(seq)
         self._release_slot(seq)
+        self._queue_first(seq)
+
+    def _queue_first(self, seq: Sequence) -> None:
+        """Queue seq at the front (behind a prompt mid-prefill, if any)."""
         head = self.waiting[0] if self.waiting else None
         if head is not None and head.block_table:
             # A prompt mid-prefill (mixed steps preempt beside one) keeps the head: behind seq it would
@@ -313,6 +290,14 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
+        elif seq.sample_index and seq in self.forks.get(seq.group[0], ()):
+            forks = self.forks[seq.group[0]]
+            forks.remove(seq)
+            if not forks:
+                del self.forks[seq.group[0]]
+        forks = self.forks.pop(seq, None) if len(seq.group) > 1 else None
+        for fork in reversed(forks or ()):  # sample 0 ended first: its forks run as requests of their own
+            self._queue_first(fork)
 
     def advance(self, out: SchedulerOutput) -> None:
         """Count a step as computed the moment it is sent, so the next one can be scheduled before
