@@ -11,7 +11,7 @@ import importlib.util
 import math
 from collections.abc import Sequence
 
-from nanoplane.controlplane.detokenizer import TextStream
+from nanoplane.controlplane.detokenizer import TextStream, ended_by_token
 from nanoplane.controlplane.front import Output
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
@@ -75,14 +75,6 @@ async def check_structured(params: SamplingParams, tokenizer: Tokenizer) -> None
     await asyncio.to_thread(structured.compile_grammar, params.structured, tokenizer)
 
 
-def text_stream(tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
-    """One sample's detokenizer and stop matcher."""
-    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
-        if not getattr(params, name):
-            raise NotImplementedError(f"{name}=false is not implemented yet; leave it unset (true)")
-    return TextStream(tokenizer, prompt_ids, params.stop)
-
-
 def logprobs_to_proto(entries: Sequence[Logprob | None]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank,
                             top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
@@ -101,7 +93,7 @@ class SampleStreams:
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams):
         self.request_id, self.params = request_id, params
-        self.samples = [_Sample(text_stream(tokenizer, prompt_ids, params)) for _ in range(params.n)]
+        self.samples = [_Sample(TextStream.for_params(tokenizer, prompt_ids, params)) for _ in range(params.n)]
         self.left = params.n  # samples whose last message is still to come
         self.first = True
 
@@ -116,7 +108,8 @@ class SampleStreams:
         sample = self.samples[out.index]
         if sample.ended:
             return None, False
-        text = sample.text.push(out.token_ids, finished=out.finished)
+        text = sample.text.push(out.token_ids, out.finished, out.finished and ended_by_token(out.finish_reason,
+                                                                                             out.stop_reason))
         stopped = sample.text.stopped
         response = pb.GenerateResponse(request_id=self.request_id, token_ids=out.token_ids, index=out.index)
         if out.logprobs:
@@ -125,10 +118,7 @@ class SampleStreams:
             response.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
         sample.completion_tokens = out.num_completion_tokens
         if stopped:
-            matched = sample.text.stop.matched
-            response.finish_reason, response.stop_string = pb.FINISH_REASON_STOP, matched
-            if self.params.include_stop_str_in_output:
-                text += matched
+            response.finish_reason, response.stop_string = pb.FINISH_REASON_STOP, sample.text.stop_reason
         elif out.finished:
             response.finish_reason = FINISH_REASONS[out.finish_reason or FinishReason.STOP]
             if isinstance(out.stop_reason, str):
