@@ -6,6 +6,7 @@ service); only the `DataPlaneClient` differs.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.scheduler import Scheduler, SchedulerOutput
 from nanoplane.controlplane.sequence import FinishReason, Sequence
+from nanoplane.controlplane.structured import CompiledGrammar, GrammarCompiler, SequenceGrammar
 from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT, NewRequest, PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
@@ -104,6 +106,11 @@ class Engine:
         self.step_id = 0
         self.epoch = info.epoch
         self.seqs: dict[int, Sequence] = {}
+        # Structured output's compiler; llguidance's tokenizer is built on its first compile, not here.
+        self.grammars = GrammarCompiler(config.model, self.vocab_size, self.scheduler.eos_token_ids)
+        # Structured output's host work in describe(): seconds, steps with masks, mask rows (benchmarks).
+        self.mask_time_s = 0.0
+        self.num_mask_steps = self.num_mask_rows = 0
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -114,15 +121,22 @@ class Engine:
         validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
 
     def add_request(self, token_ids: list[int], params: SamplingParams, validated: bool = False,
-                    deadline: float | None = None) -> Sequence:
+                    deadline: float | None = None, grammar: CompiledGrammar | None = None) -> Sequence:
         """Queue a request. `validated`: the caller has just run validate() on these very arguments
         (a batch checked whole before any of it is queued), so the per-token pass is not run twice.
         `deadline`: the time.monotonic() by which it must start, else it is dropped (take_expired).
-        Raises ValueError, or scheduler.QueueFull when the waiting queue is at its bound."""
+        `grammar`: params.structured compiled by self.grammars; without it a structured request
+        waits here for its compile (instant when cached: submit it first, off this thread).
+        Raises ValueError (a grammar that does not compile, too), or scheduler.QueueFull when the
+        waiting queue is at its bound."""
         token_ids = list(token_ids)
         if not validated:
             self.validate(token_ids, params)
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
         seq = Sequence(token_ids, params, self.block_size)
+        if grammar is not None:
+            seq.grammar = SequenceGrammar(grammar)
         seq.deadline = deadline
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
@@ -215,8 +229,28 @@ class Engine:
             appended_block_ids=int32_column(appended),
             free_slots=int32_column(out.freed_slots),
         )
+        self._add_masks(out, desc)
         self.step_id += 1
         return desc
 
+    def _add_masks(self, out: SchedulerOutput, desc: StepDescriptor) -> None:
+        """Allowed-token masks for the rows that sample under a grammar (before advance(): a row samples
+        when it computes its sequence's last known token). A grammar row is only scheduled with its
+        previous token known (scheduler), so its matcher is up to date."""
+        rows, grammars = [], []
+        for i, seq in enumerate(out.seqs):
+            if seq.grammar is not None and seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.grammar.ensure(seq.completion_token_ids)
+                rows.append(i)
+                grammars.append(seq.grammar)
+        if rows:
+            started = time.perf_counter()
+            desc.bitmask = self.grammars.fill_masks(grammars)
+            desc.bitmask_rows = int32_column(rows)
+            self.mask_time_s += time.perf_counter() - started
+            self.num_mask_steps += 1
+            self.num_mask_rows += len(rows)
+
     def close(self) -> None:
+        self.grammars.close()
         self.data_plane.close()
