@@ -18,8 +18,10 @@ class StepRefused(Exception):
 
 
 class BatchState:
-    def __init__(self, num_slots: int, max_model_len: int, block_size: int, device: torch.device):
+    def __init__(self, num_slots: int, max_model_len: int, block_size: int, device: torch.device,
+                 vocab_size: int | None = None):
         self.num_slots, self.max_model_len, self.block_size = num_slots, max_model_len, block_size
+        self.vocab_size = vocab_size  # token ids a request's processors name must be below it (None: unchecked)
         self.max_blocks = -(-max_model_len // block_size)
         # One spare row and column: CUDA-graph padding rows read the spare row and write every
         # sampled token nobody needs (padding, a request at max_model_len) to the spare column.
@@ -33,6 +35,20 @@ class BatchState:
         self.top_p = np.ones(num_slots, dtype=np.float32)
         self.min_p = np.zeros(num_slots, dtype=np.float32)
         self.seeds = np.full(num_slots, -1, dtype=np.int64)  # a request's sampling seed, -1 for none
+        # The logits processors and logprobs of each slot's request (proto.plane.SamplingSpec).
+        self.num_prompt = np.zeros(num_slots, dtype=np.int32)  # tokens of the slot's token ids that are its prompt
+        self.presence = np.zeros(num_slots, dtype=np.float32)
+        self.frequency = np.zeros(num_slots, dtype=np.float32)
+        self.repetition = np.ones(num_slots, dtype=np.float32)
+        self.min_tokens = np.zeros(num_slots, dtype=np.int32)
+        self.logprobs = np.full(num_slots, -1, dtype=np.int32)
+        self.prompt_logprobs = np.full(num_slots, -1, dtype=np.int32)
+        self.processes = np.zeros(num_slots, dtype=bool)  # SamplingSpec.processes_logits
+        self.penalised = np.zeros(num_slots, dtype=bool)  # some penalty: output counts kept on the device
+        self.has_bias = np.zeros(num_slots, dtype=bool)
+        self.tail = np.zeros(num_slots, dtype=bool)  # any of the above or logprobs: the step's sampling tail has work
+        self.stop_ids: list[np.ndarray] = [np.zeros(0, np.int32)] * num_slots
+        self.bias: list[tuple[np.ndarray, np.ndarray]] = [(np.zeros(0, np.int32), np.zeros(0, np.float32))] * num_slots
 
     def apply(self, desc: StepDescriptor, upload=None) -> None:
         """Bring the slots up to date with a descriptor; raise StepRefused if it does not fit.
@@ -109,3 +125,34 @@ class BatchState:
         self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = (
             s.temperature, s.top_k, s.top_p, s.min_p)
         self.seeds[slot] = s.seed if s.seed is not None else -1
+        self._admit_processors(req, n)
+
+    def _admit_processors(self, req: NewRequest, n: int) -> None:
+        slot, s = req.slot, req.sampling
+        prompt = n if req.num_prompt_tokens == -1 else req.num_prompt_tokens
+        if not 0 < prompt <= n:
+            raise StepRefused(f"request {req.request_id} has {req.num_prompt_tokens} prompt tokens of {n}")
+        stop_ids, bias_ids = np.asarray(s.stop_ids, np.int32), np.asarray(s.logit_bias_ids, np.int32)
+        bias_values = np.asarray(s.logit_bias_values, np.float32)
+        if len(bias_ids) != len(bias_values) or len(np.unique(bias_ids)) != len(bias_ids):
+            raise StepRefused(f"request {req.request_id}: logit bias ids and values do not pair up once each")
+        vocab = self.vocab_size
+        for name, ids in (("stop", stop_ids), ("logit bias", bias_ids)):
+            if len(ids) and (ids.min() < 0 or (vocab is not None and ids.max() >= vocab)):
+                raise StepRefused(f"request {req.request_id} has a {name} id outside the vocabulary")
+        if not (np.isfinite(bias_values).all() and s.repetition_penalty > 0 and s.min_tokens >= 0
+                and np.isfinite([s.presence_penalty, s.frequency_penalty, s.repetition_penalty]).all()):
+            raise StepRefused(f"request {req.request_id} has a penalty or bias out of range")
+        for name, k in (("logprobs", s.logprobs), ("prompt_logprobs", s.prompt_logprobs)):
+            if not -1 <= k <= (vocab if vocab is not None else k):
+                raise StepRefused(f"request {req.request_id} asks {name}={k}, more than the vocabulary")
+        self.num_prompt[slot] = prompt
+        self.presence[slot], self.frequency[slot], self.repetition[slot] = (
+            s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
+        self.min_tokens[slot] = s.min_tokens
+        self.logprobs[slot], self.prompt_logprobs[slot] = s.logprobs, s.prompt_logprobs
+        self.stop_ids[slot], self.bias[slot] = stop_ids, (bias_ids, bias_values)
+        self.processes[slot] = s.processes_logits
+        self.penalised[slot] = bool(s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0)
+        self.has_bias[slot] = len(bias_ids) > 0
+        self.tail[slot] = self.processes[slot] or s.logprobs >= 0 or s.prompt_logprobs >= 0

@@ -179,13 +179,14 @@ class DecodeGraphs:
     def run(self, upload: Uploader, slots: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
             write_pos: np.ndarray, context_lens: np.ndarray, tables: np.ndarray,
             temperature: np.ndarray | None = None, keys: np.ndarray | None = None,
-            offsets: np.ndarray | None = None) -> torch.Tensor:
+            offsets: np.ndarray | None = None, between: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Replay the model graph for a decode batch of n rows; host arrays [n] (tables [n, width]).
 
         With the head and `temperature` given: also the tail (greedy when every temperature is 0,
         else the fused sampler, which then needs `keys` and `offsets`), and the result is the
         sampled ids [n] int32, already in the token buffer. Otherwise the result is the logits
-        (with the head) or hidden states [n, ...] for the caller to finish the step.
+        (with the head) or hidden states [n, ...] for the caller to finish the step. `between(logits
+        [n, V])` runs between the model's replay and the tail's (the logits processors, in place).
         """
         n, width = len(slots), tables.shape[1]
         bs = self.bucket(n)
@@ -198,5 +199,7 @@ class DecodeGraphs:
         self.graphs[bs].replay()
         if not self.with_head or temperature is None:
             return self.outputs[bs][:n]
+        if between is not None:
+            between(self.outputs[bs][:n])
         (self.sample_tails if sampling else self.greedy_tails)[bs].replay()
         return self.sampled[:n]

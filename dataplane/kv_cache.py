@@ -34,6 +34,12 @@ def allocate(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dt
     return cache
 
 
+def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Blocks src[i] -> dst[i] (int64, on the cache's device) in every layer's K and V; all are
+    read before any is written."""
+    cache[:, :, dst] = cache[:, :, src]
+
+
 def gpu_blocks(model: nn.Module, block_size: int, dtype: torch.dtype, utilization: float) -> int:
     """Blocks that fit in `utilization` of the GPU after weights, other processes and the profiled peak."""
     free, total = torch.cuda.mem_get_info()

@@ -4,7 +4,8 @@ It obeys descriptors and holds no scheduling policy: each `execute` applies a de
 builds the attention context, runs the model and samples, so that every rank holds the next input
 tokens on its device; rank 0 returns them. Under tensor parallelism each rank draws from its slice of
 the vocabulary and the ranks swap their best candidates (`_sample_slices`); steps with top-k, top-p
-or min-p rows gather the logits to rank 0, which samples and broadcasts the ids.
+or min-p rows, logits processors, bitmasks or logprobs gather the logits to rank 0, which samples
+and broadcasts the ids. The processors and logprobs are dataplane/sampling_tail.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from nanoplane.dataplane.allreduce import make_fast_all_reduce
 from nanoplane.dataplane.batch_state import BatchState, StepRefused
 from nanoplane.dataplane.config import DataPlaneConfig
 from nanoplane.dataplane.cuda_graphs import DecodeGraphs, longest_first
+from nanoplane.dataplane.logprobs import HostArrays, fill_result
 from nanoplane.dataplane.sampler import Sampler, filtered_rows
+from nanoplane.dataplane.sampling_tail import SamplingTail, TailStep
 from nanoplane.dataplane.uploader import Uploader
 from nanoplane.kernels import decode_attention
 from nanoplane.kernels.pdl import set_pdl
@@ -48,6 +51,8 @@ class Launched:
     host: np.ndarray | torch.Tensor | None = None  # where the sampled ids land (rank 0)
     done: torch.cuda.Event | None = None  # recorded after the copy to `host`
     error: str = ""
+    tail: TailStep | None = None  # the step's logprobs plans (rank 0), their arrays in `extras`
+    extras: HostArrays | None = None
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -121,8 +126,11 @@ class ModelRunner:
                             vocab_slice=(head.vocab_start, head.per_partition) if self.world_size > 1 else None)
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = kv_cache.allocate(self.model, self.num_kv_blocks, self.block_size, self.dtype, self.device)
-        self.state = BatchState(cfg.max_num_seqs, self.max_model_len, self.block_size, self.device)
+        self.state = BatchState(cfg.max_num_seqs, self.max_model_len, self.block_size, self.device,
+                                self.hf_config.vocab_size)
         self.upload = Uploader(self.device)
+        self.tail = SamplingTail(self.state, self.hf_config.vocab_size, self.device, self.upload, self.rank,
+                                 self.sampler.fused)
         self.result_slot = 0
         # One per step a rank may hold launched (proto.plane): each step's copy has a buffer of its own.
         self.result_buffers = [torch.zeros(cfg.max_num_seqs, dtype=torch.int32).pin_memory()
@@ -205,24 +213,31 @@ class ModelRunner:
         try:
             if desc.step_id != self.next_step_id:
                 raise StepRefused(f"expected step {self.next_step_id}, got step {desc.step_id}")
+            SamplingTail.check(desc, self.num_kv_blocks)
             self.state.apply(desc, self.upload)
+            self.tail.admit(desc)
         except StepRefused as e:
             return Launched(desc.step_id, start, error=f"rank {self.rank} refused: {e}")
         self.next_step_id += 1
-        sampled = self._run(desc)
+        if len(desc.copy_src):
+            kv_cache.copy_blocks(self.kv_cache, *self.upload(desc.copy_src.astype(np.int64),
+                                                             desc.copy_dst.astype(np.int64)))
+        sampled, tail = self._run(desc)
         if self.rank != 0:
             return Launched(desc.step_id, start)
         n = sampled.shape[0]
+        extras = HostArrays(tail.out) if tail is not None else None
         if self.device.type != "cuda":
             # A copy: the decode graphs' sampled ids live in a buffer the next step rewrites.
-            return Launched(desc.step_id, start, host=sampled.to(torch.int32, copy=True).numpy())
+            return Launched(desc.step_id, start, host=sampled.to(torch.int32, copy=True).numpy(), tail=tail,
+                            extras=extras)
         # Pinned buffers in turn: the steps launched before this one may not have been read yet.
         self.result_slot = (self.result_slot + 1) % len(self.result_buffers)
         host = self.result_buffers[self.result_slot][:n]
         host.copy_(sampled.to(torch.int32), non_blocking=True)
         done = self.result_events[self.result_slot]
         done.record()
-        return Launched(desc.step_id, start, host=host, done=done)
+        return Launched(desc.step_id, start, host=host, done=done, tail=tail, extras=extras)
 
     def wait(self, launched: Launched) -> StepResult:
         if launched.error:
@@ -236,10 +251,13 @@ class ModelRunner:
             ids = host.numpy().copy()
         else:  # the CPU path's array, already the step's own
             ids = host
-        return StepResult(launched.step_id, ids, forward_time_s=time.perf_counter() - launched.start)
+        result = StepResult(launched.step_id, ids, forward_time_s=time.perf_counter() - launched.start)
+        if launched.tail is not None:
+            fill_result(result, launched.tail.logprobs, launched.tail.prompt, launched.extras)
+        return result
 
     @torch.inference_mode()
-    def _run(self, desc: StepDescriptor) -> torch.Tensor:
+    def _run(self, desc: StepDescriptor) -> tuple[torch.Tensor, TailStep | None]:
         st, bs = self.state, self.block_size
         slots, computed, scheduled = desc.slots.astype(np.int64), desc.num_computed, desc.num_scheduled
         num_rows = len(slots)
@@ -254,13 +272,17 @@ class ModelRunner:
         tables = st.block_tables[slots, :max_blocks]
         # A row that computed its slot's last known token produced the next one; it becomes the
         # slot's next input. Mid-prompt chunks sample too, but that token is discarded.
-        grew = np.flatnonzero((context_lens == st.num_known[slots]) & (context_lens < self.max_model_len))
+        output = context_lens == st.num_known[slots]
+        grew = np.flatnonzero(output & (context_lens < self.max_model_len))
+        tail = self.tail.plan(desc, slots, output, computed, scheduled, cu)
         is_decode = bool((scheduled == 1).all())
-        if is_decode and self.graphs is not None and num_rows <= self.graphs.max_batch:
-            sampled = self._run_graph(slots, positions, slot_mapping, context_lens, tables, grew)
+        # Prompt logprobs need every position's hidden state, which the graphs do not keep.
+        if is_decode and self.graphs is not None and num_rows <= self.graphs.max_batch and (
+                tail is None or tail.prompt is None):
+            sampled = self._run_graph(slots, positions, slot_mapping, context_lens, tables, grew, tail)
             st.num_computed[slots] = context_lens
             st.num_known[slots[grew]] += 1
-            return sampled
+            return sampled, tail
         (positions_t, slot_of_token_t, slot_mapping_t, last_rows_t, grew_t, grew_slots_t, grew_pos_t, cu_t,
          context_lens_t, tables_t, order_t) = self.upload(
             positions, slot_of_token, slot_mapping, (cu[1:] - 1).astype(np.int64), grew.astype(np.int64),
@@ -273,16 +295,20 @@ class ModelRunner:
                                      decode_order=order_t if is_decode else None))
         hidden = self.model(input_ids, positions_t)
         reset_context()
-        sampled = self._head_and_sample(hidden if is_decode else hidden[last_rows_t], slots)
+        if tail is not None and tail.prompt is not None:
+            self.tail.prompt_logprobs(tail, hidden, self.model.compute_logits, st.token_buf)
+        sampled = self._head_and_sample(hidden if is_decode else hidden[last_rows_t], slots, tail)
         st.num_computed[slots] = context_lens
         if len(grew):
             st.token_buf[grew_slots_t, grew_pos_t] = sampled[grew_t]
             st.num_known[slots[grew]] += 1
-        return sampled
+        return sampled, tail
 
     def _run_graph(self, slots: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                   context_lens: np.ndarray, tables: np.ndarray, grew: np.ndarray) -> torch.Tensor:
-        """A decode step through the captured graphs; the sampled ids, already in the token buffer."""
+                   context_lens: np.ndarray, tables: np.ndarray, grew: np.ndarray,
+                   tail: TailStep | None) -> torch.Tensor:
+        """A decode step through the captured graphs; the sampled ids, already in the token buffer.
+        A step with a sampling tail runs its processors between the model's graph and the tail's."""
         st, graphs = self.state, self.graphs
         write_pos = np.full(len(slots), graphs.pad_col, dtype=np.int64)
         write_pos[grew] = context_lens[grew]
@@ -294,23 +320,28 @@ class ModelRunner:
                 keys = offsets = None
                 if temperature.any():
                     keys, offsets = self.sampler.streams(st.seeds[slots], st.num_known[slots])
-                return graphs.run(*args, temperature, keys, offsets)
-            sampled = self._sample(graphs.run(*args), slots)
+                if tail is None:
+                    return graphs.run(*args, temperature, keys, offsets)
+                sampled = graphs.run(*args, temperature, keys, offsets, between=lambda lg: self.tail.before(tail, lg))
+                self.tail.after(tail, sampled)
+                return sampled
+            sampled = self._sample(graphs.run(*args), slots, tail)
         else:
-            sampled = self._head_and_sample(graphs.run(*args), slots)
+            sampled = self._head_and_sample(graphs.run(*args), slots, tail)
         graphs.scatter(sampled)
         return sampled
 
-    def _head_and_sample(self, hidden: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    def _head_and_sample(self, hidden: torch.Tensor, slots: np.ndarray, tail: TailStep | None) -> torch.Tensor:
         """The LM head and the sampler over the rows' last hidden states: the ids, on every rank."""
         st = self.state
-        # Tensor parallelism with the fused sampler draws from vocabulary slices unless a row filters.
-        if self.world_size > 1 and self.sampler.fused and not filtered_rows(st.top_k[slots], st.top_p[slots],
-                                                                            st.min_p[slots]).any():
+        # Tensor parallelism with the fused sampler draws from vocabulary slices unless a row filters
+        # or the step has a sampling tail (processors, logprobs: they want whole rows).
+        if (self.world_size > 1 and self.sampler.fused and (tail is None or not tail.samples)
+                and not filtered_rows(st.top_k[slots], st.top_p[slots], st.min_p[slots]).any()):
             return self._sample_slices(hidden, slots)
         logits = self.model.compute_logits(hidden)
         if self.rank == 0:
-            sampled = self._sample(logits, slots)
+            sampled = self._sample(logits, slots, tail)
         else:
             sampled = torch.empty(len(slots), dtype=torch.int64, device=self.device)
             self.sampler.advance(st.temperature[slots], st.top_k[slots], st.top_p[slots], st.min_p[slots])
@@ -338,14 +369,20 @@ class ModelRunner:
         _all_gather_single(every, torch.stack([best.view(torch.int32), idx]))  # rank r's pair: rows 2r, 2r + 1
         return kernels.combine_partials(every[0::2].view(torch.float32), every[1::2])
 
-    def _sample(self, logits: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, slots: np.ndarray, tail: TailStep | None = None) -> torch.Tensor:
         st = self.state
+        if tail is not None and tail.samples:
+            self.tail.before(tail, logits)
         temperature = st.temperature[slots]
         if not temperature.any():  # all greedy: no parameters to upload, no sync
-            return logits.argmax(dim=-1)
-        # Raw logits: the fused path reads them once as they are; the torch path makes its fp32 copy.
-        return self.sampler.sample(logits, temperature, st.top_k[slots], st.top_p[slots], st.min_p[slots],
-                                   st.seeds[slots], st.num_known[slots], upload=self.upload)
+            sampled = logits.argmax(dim=-1)
+        else:
+            # Raw logits: the fused path reads them once as they are; the torch path makes its fp32 copy.
+            sampled = self.sampler.sample(logits, temperature, st.top_k[slots], st.top_p[slots], st.min_p[slots],
+                                          st.seeds[slots], st.num_known[slots], upload=self.upload)
+        if tail is not None and tail.samples:
+            self.tail.after(tail, sampled)
+        return sampled
 
     def close(self) -> None:
         """Release the GPU memory now, not whenever the garbage collector finds the model."""

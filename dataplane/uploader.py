@@ -30,10 +30,11 @@ def layout(sizes: list[int], itemsize: int) -> tuple[list[int], int]:
 
 class Uploader:
     # Staging buffers in turn: a buffer is reused only after the copies of RING uploads ago left it.
-    # A step uploads up to three times (admitted prompts, inputs, sampling parameters) and up to
-    # MAX_STEPS_IN_FLIGHT steps may be launched ahead of it, so the oldest copy waited on belongs to a
-    # step that has started, its inputs long copied: the host never waits for the GPU's work here.
-    RING = 3 * (MAX_STEPS_IN_FLIGHT + 1)
+    # A step uploads up to six times (admitted prompts, penalty counts, block copies, inputs, sampling
+    # parameters, the sampling tail's indices) and up to MAX_STEPS_IN_FLIGHT steps may be launched
+    # ahead of it, so the oldest copy waited on belongs to a step that has started, its inputs long
+    # copied: the host never waits for the GPU's work here.
+    RING = 6 * (MAX_STEPS_IN_FLIGHT + 1)
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -9,8 +9,11 @@ in Triton's interpreter: TRITON_INTERPRET=1 must be set before triton is first i
 import importlib.util
 
 __all__ = [
+    "apply_bitmask",
+    "apply_penalties",
     "apply_rotary",
     "combine_partials",
+    "logprob_stats",
     "paged_decode_attention",
     "paged_prefill_attention",
     "qkv_prologue",
@@ -25,6 +28,7 @@ __all__ = [
 if importlib.util.find_spec("triton") is not None:
     from nanoplane.kernels.activation import silu_and_mul
     from nanoplane.kernels.decode_attention import paged_decode_attention
+    from nanoplane.kernels.logits_processors import apply_bitmask, apply_penalties, logprob_stats
     from nanoplane.kernels.prefill_attention import paged_prefill_attention
     from nanoplane.kernels.qkv_prologue import qkv_prologue
     from nanoplane.kernels.rmsnorm import rms_norm

@@ -223,3 +223,38 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """F.linear in fp32: x [M, K] @ weight[N, K]^T (+ bias[N]) -> fp32 [M, N] (TF32 must be off, torch's default)."""
     y = x.float() @ weight.float().T
     return y + bias.float() if bias is not None else y
+
+
+def apply_bitmask_ref(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf on logits[rows[i], t] unless bit t % 32 of bitmask[i, t // 32] is set."""
+    v = logits.shape[1]
+    cols = torch.arange(v, device=logits.device)
+    words = cols // 32
+    inside = words < bitmask.shape[1]
+    for i, row in enumerate(rows.tolist()):
+        bits = torch.zeros(v, dtype=torch.int64, device=logits.device)
+        bits[inside] = (bitmask[i].long()[words[inside]] >> (cols[inside] % 32)) & 1
+        logits[row] = logits[row].masked_fill(bits == 0, float("-inf"))
+
+
+def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, state_rows: torch.Tensor, counts: torch.Tensor,
+                        seen: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                        presence: torch.Tensor) -> None:
+    """In place, fp32: HuggingFace's repetition penalty over prompt (seen) and output (counts > 0)
+    tokens, then OpenAI's frequency (times the count) and presence (count > 0) penalties."""
+    for i, (row, state) in enumerate(zip(rows.tolist(), state_rows.tolist(), strict=True)):
+        x = logits[row].float()
+        count = counts[state].float()
+        hit = (seen[state] != 0) | (count > 0)
+        x = torch.where(hit, torch.where(x > 0, x / repetition[i], x * repetition[i]), x)
+        x = x - frequency[i] * count - presence[i] * (count > 0).float()
+        logits[row] = x.to(logits.dtype)
+
+
+def logprob_stats_ref(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, the target's logprob, its rank: 1 + tokens strictly more likely) of rows of logits, fp32."""
+    x = logits[rows.long()].float()
+    lse = torch.logsumexp(x, dim=-1)
+    t = x.gather(1, targets.long()[:, None])[:, 0]
+    return lse, t - lse, (1 + (x > t[:, None]).sum(dim=-1)).to(torch.int32)
