@@ -211,7 +211,8 @@ def test_the_engine_loop_compiles_before_the_add_and_reports_errors_to_the_strea
 
         engine_loop = EngineLoop(engine, deliver)
         engine_loop.start()
-        good = Stream("good", tok.encode("the fox"), SamplingParams(max_tokens=20, structured={"choice": ["yes", "no"]}))
+        good = Stream("good", tok.encode("the fox"),
+                      SamplingParams(max_tokens=20, structured={"choice": ["yes", "no"]}))
         bad = Stream("bad", tok.encode("the fox"), SamplingParams(structured={"grammar": "start: nothing_defined"}))
         engine_loop.add_stream(good)
         engine_loop.add_stream(bad)
