@@ -330,9 +330,10 @@ class EngineLoop:
             if seq is None:
                 if stream in self._compiling:  # its add is yet to come: drop it then
                     self._aborted_compiling.add(stream)
-                    if notify:
-                        deliveries.append((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
-                                                          len(stream.token_ids))))
+                    if notify:  # each sample's final output: the stream ends once all n have one
+                        deliveries.extend((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
+                                                          len(stream.token_ids), index=i))
+                                          for i in range(stream.params.n))
                 return
             del self._stream_of[seq.seq_id]
             unfinished = _unfinished(seq)

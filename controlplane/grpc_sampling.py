@@ -5,9 +5,7 @@ matcher, logprobs, finish and stop reason, usage over every sample).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import importlib.util
 import math
 from collections.abc import Sequence
 
@@ -61,18 +59,6 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         value = getattr(sp, kind)
         kwargs["structured"] = {kind: list(value.choices) if kind == "choice" else value}
     return SamplingParams(**kwargs)
-
-
-async def check_structured(params: SamplingParams, tokenizer: Tokenizer) -> None:
-    """Compile the request's grammar off the event loop (cached by its text, so the engine finds it
-    ready): a schema, pattern or grammar the compiler refuses is ValueError with its message."""
-    if params.structured is None:
-        return
-    if importlib.util.find_spec("nanoplane.controlplane.structured") is None:
-        raise NotImplementedError("structured output is not built into this server; leave json_schema, "
-                                  "json_object, regex, choice and grammar unset")
-    from nanoplane.controlplane import structured
-    await asyncio.to_thread(structured.compile_grammar, params.structured, tokenizer)
 
 
 def logprobs_to_proto(entries: Sequence[Logprob | None]) -> list[pb.TokenLogprob]:
