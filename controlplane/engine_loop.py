@@ -282,14 +282,21 @@ class EngineLoop:
                 deliveries.append((stream, DeadlineExceeded(
                     f"the request's deadline passed after {waited:.2f}s in the server's queue, before it "
                     "started; nothing was computed for it")))
+        ended: list[EngineSequence] = []  # requests of n > 1 a sample of which finished in this step
         for seq, token in out.produced:
             first = seq.group[0]  # a request's samples all map to its stream through sample 0
             stream = self._stream_of.get(first.seq_id)
             if stream is None:
                 continue
             deliveries.append((stream, _output(stream, seq, [token])))
-            if seq.is_finished and (len(first.group) == 1 or not _unfinished(first)):
-                del self._stream_of[first.seq_id], self._seq_of[stream]
+            if seq.is_finished:
+                if len(first.group) == 1:
+                    del self._stream_of[first.seq_id], self._seq_of[stream]
+                else:  # after the loop: samples finishing in this step come later in `produced`
+                    ended.append(first)
+        for first in ended:
+            if not _unfinished(first) and (stream := self._stream_of.pop(first.seq_id, None)) is not None:
+                del self._seq_of[stream]
         # With steps in flight the first steps of a burst return no rows yet: that is progress too.
         return bool(out.rows) or bool(self.engine.inflight)
 
