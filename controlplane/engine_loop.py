@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.engine_stats import StatsReporter
 from nanoplane.controlplane.errors import DataPlaneUnavailable, DeadlineExceeded
 from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Output, Stream
 from nanoplane.controlplane.scheduler import QueueFull
@@ -35,8 +36,6 @@ log = logging.getLogger(__name__)
 # When a step schedules nothing although requests are queued (they wait for blocks), sleep this
 # long before trying again instead of spinning; new commands still wake the loop at once.
 IDLE_RETRY_S = 0.005
-# Stats listeners hear from an attached engine this often (idle too: the heartbeat ages move on).
-STATS_INTERVAL_S = 0.5
 
 Delivery = tuple[Stream, Output | BaseException]
 
@@ -92,10 +91,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._deliver, self._on_status = deliver, on_status
         self._status = self._snapshot()
-        self._stats_listeners: list[Callable[[EngineStats], None]] = []
-        self._next_stats = 0.0
-        self._step_times: list[float] | None = None  # engine thread only; None while nobody listens
-        self._counted: dict[str, tuple[object, int]] = {}  # counter -> (its owner, its value at the last report)
+        self._stats = StatsReporter()
         self._compiling: set[Stream] = set()  # structured requests whose grammar compiles; their add comes after
         self._aborted_compiling: set[Stream] = set()  # engine thread only: of those, aborted before their add
 
@@ -151,16 +147,9 @@ class EngineLoop:
         self._listeners.append(callback)
 
     def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
-        """callback(stats) runs on the engine thread every STATS_INTERVAL_S while an engine is attached;
+        """callback(stats) runs on the engine thread every engine_stats.STATS_INTERVAL_S while an engine is attached;
         add it before `start`."""
-        self._stats_listeners.append(callback)
-        self._step_times = []
-        self._collect_queue_times()
-
-    def _collect_queue_times(self) -> None:
-        """Have the engine's scheduler keep queue times from now on (it keeps none while nobody drains them)."""
-        if self._stats_listeners and self.engine is not None and self.engine.scheduler.queue_times is None:
-            self.engine.scheduler.queue_times = []
+        self._stats.add_listener(callback, self.engine)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams end with DataPlaneUnavailable) and close the engine."""
@@ -186,14 +175,8 @@ class EngineLoop:
     def unavailable_message(self) -> str:
         return f"the data plane is not available ({self.unready_reason}); retry later"
 
-    def _stats_wait_s(self) -> float | None:
-        """Seconds until the next stats report is due; None when nobody listens."""
-        if not self._stats_listeners:
-            return None
-        return max(0.0, self._next_stats - time.monotonic())
-
     def _wait_s(self) -> float | None:
-        waits = [w for w in (self._recover_wait_s(), self._stats_wait_s()) if w is not None]
+        waits = [w for w in (self._recover_wait_s(), self._stats.wait_s()) if w is not None]
         return min(waits, default=None)
 
     def _recover_wait_s(self) -> float | None:
@@ -228,8 +211,8 @@ class EngineLoop:
                 status, self._status = self._status, self._snapshot()
                 if self._on_status is not None and status != self._status:
                     self._on_status(self._status)
-                if self._stats_wait_s() == 0.0:
-                    self._report_stats()
+                if self._stats.wait_s() == 0.0:
+                    self._stats.report(self.engine)
                 # A step's tokens wait until the next step has been sent (engine.step's on_queued): waking
                 # the event loop makes this thread wait for the GIL, which between a result and the next
                 # descriptor leaves the GPU idle. Sent now if no next step is coming.
@@ -272,8 +255,8 @@ class EngineLoop:
                 reason = f"data plane failed: {type(exc).__name__}: {exc}"
             self._set_unready(reason, deliveries)
             return True
-        if out.rows and self._step_times is not None:
-            self._step_times.append(time.perf_counter() - started)
+        if out.rows:
+            self._stats.record_step(time.perf_counter() - started)
         for seq in self.engine.take_expired():
             stream = self._stream_of.pop(seq.group[0].seq_id, None)
             if stream is not None:
@@ -387,7 +370,7 @@ class EngineLoop:
         log.info("the data plane is ready%s: %d rank(s) on %s, %d step(s) in flight",
                  " again" if self._attached else "", len(engine.infos), engine.infos[0].device, engine.steps_in_flight)
         self.facts = EngineFacts.of(engine)
-        self._collect_queue_times()
+        self._stats.collect_queue_times(engine)
         self._ready, self._unready_reason, self._attached = True, "", True
         self._notify(True)
 
@@ -403,36 +386,6 @@ class EngineLoop:
             return EngineStatus(0, 0, 0, 0, False)
         running, waiting, used, total = self.engine.stats()
         return EngineStatus(running, waiting, total, used, self._ready)
-
-    def _increase(self, name: str, owner: object, value: int) -> int:
-        """How much a counter of `owner` grew since the last report; a new owner (a new engine) starts at 0."""
-        last_owner, last = self._counted.get(name, (None, 0))
-        self._counted[name] = (owner, value)
-        return value - last if last_owner is owner else value
-
-    def _report_stats(self) -> None:
-        self._next_stats = time.monotonic() + STATS_INTERVAL_S
-        engine = self.engine
-        if engine is None:
-            return
-        try:  # the metrics must never cost a stream: a failure here is logged, not survived as a lost plane
-            s, plane = engine.scheduler, engine.data_plane
-            queue_times, s.queue_times = s.queue_times or [], []
-            step_times, self._step_times = self._step_times, []
-            ages = getattr(plane, "heartbeat_ages", None)
-            stats = EngineStats(
-                self._increase("queries", s, s.num_prefix_queries), self._increase("hits", s, s.num_prefix_hits),
-                self._increase("preemptions", s, s.num_preemptions),
-                self._increase("bytes", plane, getattr(plane, "descriptor_bytes", 0)),
-                step_times, queue_times, engine.epoch, ages() if ages is not None else [])
-        except Exception:
-            log.exception("gathering the engine's stats failed")
-            return
-        for callback in self._stats_listeners:
-            try:
-                callback(stats)
-            except Exception:
-                log.exception("engine stats listener failed")
 
     def _hand_over(self, deliveries: list) -> None:
         """Pass `deliveries` on and empty the list (the same list object goes on)."""

@@ -191,7 +191,7 @@ class EngineFront(Protocol):
         """callback(ready) runs on a thread of the front's whenever the data plane's readiness changes."""
 
     def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
-        """callback(stats) runs on a thread of the front's about every engine_loop.STATS_INTERVAL_S
+        """callback(stats) runs on a thread of the front's about every engine_stats.STATS_INTERVAL_S
         while an engine is attached; add it before `start`."""
 
     def set_data_plane_ready(self, ready: bool, reason: str = "") -> None:

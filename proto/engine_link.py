@@ -155,7 +155,7 @@ class Status(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 class Stats(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """What the engine did since its previous Stats (controlplane.front.EngineStats), sent about every
-    engine_loop.STATS_INTERVAL_S while an engine is attached: increments and observations, so that a
+    engine_stats.STATS_INTERVAL_S while an engine is attached: increments and observations, so that a
     replaced engine process adds to the serving process's counters instead of resetting them."""
 
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission
