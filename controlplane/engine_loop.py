@@ -126,6 +126,11 @@ class EngineLoop:
         """Drop the stream's request; `notify`: deliver it a final ABORT output."""
         self._post(("abort", stream, notify))
 
+    def stop_sample(self, stream: Stream, index: int, stop: str) -> None:
+        """A stop string ended sample `index` of the stream's request on its consumer's side: end it
+        (STOP, blocks freed at once) while the other samples go on."""
+        self._post(("stop", stream, index, stop))
+
     def fail_stream(self, stream: Stream, error: Exception) -> None:
         """End a stream that never became a request (its consumer's request was refused) with `error`."""
         self._post(("fail", stream, error))
@@ -327,9 +332,18 @@ class EngineLoop:
                 return
             del self._stream_of[seq.seq_id]
             unfinished = _unfinished(seq)
-            self._abort(seq)
+            self.engine.abort(seq.seq_id)  # every sample of it
             if notify:  # a final ABORT output for each sample still running
                 deliveries.extend((stream, _output(stream, s, [])) for s in unfinished)
+        elif kind == "stop":
+            _, stream, index, stop = command
+            seq = self._seq_of.get(stream)
+            if seq is None or not 0 <= index < len(seq.group) or seq.group[index].is_finished:
+                return
+            self.engine.stop_on_string(seq.group[index], stop)
+            deliveries.append((stream, _output(stream, seq.group[index], [])))  # read_stream counts it
+            if not _unfinished(seq):
+                del self._stream_of[seq.seq_id], self._seq_of[stream]
         elif kind == "fail":
             deliveries.append((command[1], command[2]))
         elif kind == "ready":
@@ -345,14 +359,9 @@ class EngineLoop:
             elif not self._ready:
                 self._set_ready()
 
-    def _abort(self, seq: EngineSequence) -> None:
-        """Drop every sample of seq's request."""
-        for sample in seq.group:
-            self.engine.abort(sample.seq_id)
-
     def _drop_all(self, reason: str, deliveries: list) -> None:
         for stream, seq in self._seq_of.items():
-            self._abort(seq)
+            self.engine.abort(seq.seq_id)
             deliveries.append((stream, DataPlaneUnavailable(reason)))
         self._seq_of.clear()
         self._stream_of.clear()

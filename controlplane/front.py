@@ -184,6 +184,10 @@ class EngineFront(Protocol):
         """End a running request from the server side (its stream gets a final ABORT output); False
         if no request runs under that id. Event-loop thread only."""
 
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        """A stop string ended sample `index` of a running request of n > 1 (the consumer has its last
+        message): end it in the engine while the other samples go on. Event-loop thread only."""
+
     def status(self) -> EngineStatus:
         """The engine's counters as of its latest iteration."""
 

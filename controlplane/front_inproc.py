@@ -88,6 +88,11 @@ class InProcessFront:
         self.loop.abort_stream(stream, True)
         return True
 
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.loop.stop_sample(stream, index, stop)
+
     def status(self) -> EngineStatus:
         return self.loop.status()
 

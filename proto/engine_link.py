@@ -19,7 +19,8 @@ import msgspec
 
 MAGIC = b"NE"
 # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
-# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason)
+# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop
+# reason; the StopSample command)
 VERSION = 4
 _HEADER = MAGIC + bytes([VERSION])
 
@@ -73,6 +74,15 @@ class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True):
     notify: bool  # send the request a final ABORT output (a server-side abort); False: its consumer left
 
 
+class StopSample(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A stop string ended one sample of a request on the serving side: end it in the engine (finish
+    reason STOP, its blocks freed) while the request's other samples go on; unknown keys are ignored."""
+
+    key: int  # Add.key of the request
+    index: int  # the sample, in [0, n)
+    stop: str  # the stop string (its stop reason)
+
+
 class SetReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Readiness of the data plane as seen from outside the engine process (a transport's push)."""
 
@@ -84,7 +94,7 @@ class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Stop in order: open streams end with UNAVAILABLE, the data plane is told to exit 0."""
 
 
-Command = Add | Abort | SetReady | Stop
+Command = Add | Abort | StopSample | SetReady | Stop
 
 
 # ---- events: engine process -> serving process -----------------------------------------------------

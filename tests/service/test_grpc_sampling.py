@@ -131,6 +131,27 @@ def test_n_samples_share_one_stream_tagged_by_index(stub, client):
     wait_idle(client)
 
 
+def test_a_stop_string_ends_one_sample_while_the_others_go_on(server, stub, client, monkeypatch):
+    stopped = []
+    if server.in_process:  # the engine ends the stopped sample at once, not at max_tokens
+        engine = server.server.front.loop.engine
+        stop_on_string = engine.stop_on_string
+        monkeypatch.setattr(engine, "stop_on_string",
+                            lambda seq, s: (stopped.append((seq.sample_index, s)), stop_on_string(seq, s)))
+    ref = generate(stub, temperature=1.0, seed=4, max_tokens=16, ignore_eos=True, n=2)
+    first, second = text(ref, 0), text(ref, 1)
+    start = next(i for i in range(2, len(first) - 3) if "\ufffd" not in first[i:i + 3] and first[i:i + 3] not in second)
+    stop = first[start:start + 3]
+    responses = generate(stub, temperature=1.0, seed=4, max_tokens=16, ignore_eos=True, n=2, stop=[stop])
+    [end0] = [r for r in responses if r.index == 0 and r.finish_reason]
+    assert end0.finish_reason == pb.FINISH_REASON_STOP and end0.stop_string == stop
+    assert text(responses, 0) == first[:first.find(stop)]
+    assert tokens(responses, 1) == tokens(ref, 1) and responses[-1].index == 1
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    wait_idle(client)
+    assert stopped == ([(0, stop)] if server.in_process else [])
+
+
 def _stop_string(stub) -> tuple[str, str]:
     """The greedy text of PROMPTS[2] and a 3-character piece of it to stop on."""
     full = text(generate(stub, temperature=0, max_tokens=40, ignore_eos=True))
