@@ -40,19 +40,6 @@ IDLE_RETRY_S = 0.005
 Delivery = tuple[Stream, Output | BaseException]
 
 
-def _output(stream: Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
-    out = Output(stream.request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
-                 seq.num_completion_tokens, seq.num_cached_prompt_tokens, seq.sample_index, None, None,
-                 seq.stop_reason)
-    if seq.logprobs is not None and token_ids:  # the entries of the tokens just produced (the latest known)
-        end = seq.num_completion_tokens
-        out.logprobs = seq.logprobs[end - len(token_ids):end]
-    # Once, with sample 0's first token: prefill is complete by then, so the list is whole.
-    if seq.prompt_logprobs is not None and seq.sample_index == 0 and token_ids and seq.num_completion_tokens == 1:
-        out.prompt_logprobs = seq.prompt_logprobs
-    return out
-
-
 def _unfinished(seq: EngineSequence) -> list[EngineSequence]:
     """The samples of seq's request (seq.group) that have not finished."""
     return [s for s in seq.group if not s.is_finished]
@@ -276,7 +263,7 @@ class EngineLoop:
             stream = self._stream_of.get(first.seq_id)
             if stream is None:
                 continue
-            deliveries.append((stream, _output(stream, seq, [token])))
+            deliveries.append((stream, Output.of(stream.request_id, seq, [token])))
             if seq.is_finished:
                 if len(first.group) == 1:
                     del self._stream_of[first.seq_id], self._seq_of[stream]
@@ -334,14 +321,14 @@ class EngineLoop:
             unfinished = _unfinished(seq)
             self.engine.abort(seq.seq_id)  # every sample of it
             if notify:  # a final ABORT output for each sample still running
-                deliveries.extend((stream, _output(stream, s, [])) for s in unfinished)
+                deliveries.extend((stream, Output.of(stream.request_id, s, [])) for s in unfinished)
         elif kind == "stop":
             _, stream, index, stop = command
             seq = self._seq_of.get(stream)
             if seq is None or not 0 <= index < len(seq.group) or seq.group[index].is_finished:
                 return
             self.engine.stop_on_string(seq.group[index], stop)
-            deliveries.append((stream, _output(stream, seq.group[index], [])))  # read_stream counts it
+            deliveries.append((stream, Output.of(stream.request_id, seq.group[index], [])))  # read_stream counts it
             if not _unfinished(seq):
                 del self._stream_of[seq.seq_id], self._seq_of[stream]
         elif kind == "fail":
