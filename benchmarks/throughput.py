@@ -111,6 +111,16 @@ def workload(num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
     return prompts, max_tokens
 
 
+def sampling_extras(args: argparse.Namespace) -> dict:
+    """The sampling parameters --logprobs and --penalties add to every request (and name in the report)."""
+    extra: dict = {}
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs
+    if args.penalties:
+        extra.update(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    return extra
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", default="", help="default: /tmp/nanoplane-qwen3-<shape>-random")
@@ -121,11 +131,15 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="print where each step's time goes")
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="every request asks the sampled token's logprob and the top N (embedded mode)")
+    p.add_argument("--penalties", action="store_true",
+                   help="every request has presence 0.5, frequency 0.5 and repetition 1.1 penalties (embedded mode)")
     p.add_argument("--json-schema", action="store_true",
                    help="every request under a 10-field JSON object schema; reports the mask work per step")
     args = p.parse_args()
-    if args.json_schema and args.mode != "embedded":
-        p.error("--json-schema runs in embedded mode (the service's mask time is the engine process's)")
+    if args.mode == "service" and (args.logprobs is not None or args.penalties or args.json_schema):
+        p.error("--logprobs, --penalties and --json-schema apply to the embedded mode")
     path = Path(args.model_dir or f"/tmp/nanoplane-qwen3-{args.shape}-random")
     if not (path / "model.safetensors").is_file():
         make_random_model(path, args.shape)
@@ -137,12 +151,13 @@ def main() -> None:
     llm = LLM(str(path), enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
     prompts, max_tokens = workload(args.num_seqs)
+    extra = sampling_extras(args)
     structured = {"json_schema": JSON_SCHEMA_10} if args.json_schema else None
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, structured=structured)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, structured=structured, **extra)
               for n in max_tokens]
     warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
-    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, structured=structured)
-                                for n in warm_tokens], use_tqdm=False)
+    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, structured=structured,
+                                               **extra) for n in warm_tokens], use_tqdm=False)
     engine = llm.engine
     engine.mask_time_s, engine.num_mask_steps, engine.num_mask_rows = 0.0, 0, 0
     timings = instrument(llm) if args.profile else None
@@ -174,6 +189,7 @@ def main() -> None:
           "| peak GPU GiB | peak RSS GiB |")
     tok_s = total / elapsed
     mode = f"embedded {args.shape} TP={args.tensor_parallel_size}" + (" json-schema" if args.json_schema else "")
+    mode += "".join(f" {k}={v}" for k, v in extra.items())
     if args.tensor_parallel_size > 1:  # the all-reduce rank 0 installed, which may be NCCL after a fallback
         from nanoplane.models.layers import parallel
 
