@@ -315,6 +315,8 @@ class Scheduler:
     def _refused_by_grammar(self, seq: Sequence, token_id: int) -> bool:
         """Advance seq's matcher; a token its mask did not allow (a data plane that ignored the mask)
         ends it with ABORT, since no output after it can match."""
+        if seq.grammar.matcher is None:  # preempted while this token was in flight: catch up first
+            seq.grammar.ensure(seq.completion_token_ids[:-1])
         if seq.grammar.accept(token_id):
             return False
         log.warning("request %d: sampled token %d is outside its grammar (%s); aborting it",

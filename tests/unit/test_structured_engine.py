@@ -169,6 +169,21 @@ def test_preemption_releases_the_matcher_and_readmission_replays_it(model_dir, t
             assert s.grammar.num_tokens == 0 and text.startswith('{"a":"')
 
 
+def test_a_preempted_request_whose_token_is_in_flight_catches_up(model_dir, tok):
+    engine, plane = make_engine(model_dir, tok, 2)
+    seq = engine.add_request(tok.encode("the fox"), SamplingParams(max_tokens=20, structured={"regex": DATE}))
+    while not seq.num_completion_tokens:
+        engine.step()
+    engine.step()  # sends its next token's step
+    assert seq.num_pending == 1
+    engine.scheduler.running.remove(seq)  # as the scheduler does when the KV cache is full
+    engine.scheduler.preempt(seq)
+    assert seq.grammar.matcher is None
+    run(engine)
+    assert re.fullmatch(DATE, tok.decode(seq.completion_token_ids)) and seq.finish_reason is FinishReason.EOS
+    assert plane.held_back == 0
+
+
 def test_abort_mid_output_frees_blocks_and_grammar_state(model_dir, tok):
     engine, plane = make_engine(model_dir, tok, 2)
     seq = engine.add_request(tok.encode("the fox"), SamplingParams(max_tokens=40, structured={
