@@ -355,8 +355,10 @@ class Scheduler:
             if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in seq.stop_ids:
                 self.finish(seq, FinishReason.STOP)
             elif seq.grammar is not None and seq.grammar.is_stopped:
-                # Complete: the grammar allows only end-of-sequence now, so it ends as if sampled (not added).
-                self.finish(seq, FinishReason.EOS)
+                # Complete: the grammar allows only end-of-sequence now. It ends here, that token unsampled,
+                # as STOP with no stop_reason: vLLM's finish_reason and stop_reason for it, and the last
+                # token's text stays (it is the grammar's, not an ending token's).
+                self.finish(seq, FinishReason.STOP)
             elif seq.num_completion_tokens >= params.max_tokens:
                 self.finish(seq, FinishReason.LENGTH)
         return produced
