@@ -19,6 +19,7 @@ from nanoplane.controlplane.engine import Engine, validate_request
 from nanoplane.controlplane.errors import RequestIdInUse
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
+from nanoplane.controlplane.sequence import Sequence as EngineSequence
 
 # A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
 # after its per-try timeout, a client reconnecting) can get here before the cancelled call's handler
@@ -50,6 +51,20 @@ class Output:
     logprobs: list[Logprob] | None = None  # one per entry of token_ids, when the request asked
     prompt_logprobs: list[Logprob | None] | None = None  # the whole prompt's (None for token 0), once, on sample 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+
+    @classmethod
+    def of(cls, request_id: str | int, seq: EngineSequence, token_ids: list[int]) -> Output:
+        """What sample `seq` gained: `token_ids`, its latest (empty when it only ended)."""
+        out = cls(request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
+                  seq.num_completion_tokens, seq.num_cached_prompt_tokens, seq.sample_index, None, None,
+                  seq.stop_reason)
+        if seq.logprobs is not None and token_ids:  # the entries of the tokens just produced (the latest known)
+            end = seq.num_completion_tokens
+            out.logprobs = seq.logprobs[end - len(token_ids):end]
+        # Once, with sample 0's first token: prefill is complete by then, so the list is whole.
+        if seq.prompt_logprobs is not None and seq.sample_index == 0 and token_ids and seq.num_completion_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
+        return out
 
     def merge(self, later: Output) -> None:
         """Fold a later output of the same sample into this one (a consumer that fell behind sends one message)."""
@@ -123,23 +138,38 @@ class Stream:
 
 
 async def read_stream(stream: Stream) -> AsyncIterator[Output]:
-    """A stream's outputs up to the finished one; a consumer that fell behind gets what queued up
-    meanwhile as one output. An exception in the queue is raised after the outputs before it."""
-    pending: Output | BaseException | None = None
+    """A stream's outputs until every sample (params.n of them) has had its finished one; a consumer
+    that fell behind gets what queued up meanwhile as one output per sample. An exception in the
+    queue is raised after the outputs before it."""
+    left = stream.params.n
     while True:
-        item = pending if pending is not None else await stream.queue.get()
-        pending = None
+        items, error = _coalesce(await stream.queue.get(), stream.queue)
+        for item in items:
+            yield item
+            left -= item.finished
+            if not left:
+                return
+        if error is not None:
+            raise error
+
+
+def _coalesce(item: Output | BaseException, queue: asyncio.Queue) -> tuple[list[Output], BaseException | None]:
+    """`item` and what `queue` holds now, up to the first exception: merged into one Output per
+    sample (in the order the samples first appear), and that exception."""
+    merged: dict[int, Output] = {}
+    error = None
+    while True:
         if isinstance(item, BaseException):
-            raise item
-        while not stream.queue.empty():
-            later = stream.queue.get_nowait()
-            if isinstance(later, BaseException):
-                pending = later  # send what arrived before the error first
-                break
-            item.merge(later)
-        yield item
-        if item.finished:
-            return
+            error = item  # sent after what arrived before it
+            break
+        if (first := merged.get(item.index)) is None:
+            merged[item.index] = item
+        else:
+            first.merge(item)
+        if queue.empty():
+            break
+        item = queue.get_nowait()
+    return list(merged.values()), error
 
 
 class EngineFront(Protocol):
@@ -169,6 +199,10 @@ class EngineFront(Protocol):
         """End a running request from the server side (its stream gets a final ABORT output); False
         if no request runs under that id. Event-loop thread only."""
 
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        """A stop string ended sample `index` of a running request of n > 1 (the consumer has its last
+        message): end it in the engine while the other samples go on. Event-loop thread only."""
+
     def status(self) -> EngineStatus:
         """The engine's counters as of its latest iteration."""
 
@@ -176,7 +210,7 @@ class EngineFront(Protocol):
         """callback(ready) runs on a thread of the front's whenever the data plane's readiness changes."""
 
     def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
-        """callback(stats) runs on a thread of the front's about every engine_loop.STATS_INTERVAL_S
+        """callback(stats) runs on a thread of the front's about every engine_stats.STATS_INTERVAL_S
         while an engine is attached; add it before `start`."""
 
     def set_data_plane_ready(self, ready: bool, reason: str = "") -> None:

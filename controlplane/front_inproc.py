@@ -69,10 +69,11 @@ class InProcessFront:
             stream.deadline = time.monotonic() + timeout_s
         self._streams[request_id] = stream
         self.loop.add_stream(stream)
-        finished = False
+        finished, left = False, params.n  # the request is over once every sample has finished
         try:
             async for item in read_stream(stream):
-                finished = item.finished
+                left -= item.finished
+                finished = not left
                 yield item
         finally:
             if self._streams.get(request_id) is stream:
@@ -86,6 +87,11 @@ class InProcessFront:
             return False
         self.loop.abort_stream(stream, True)
         return True
+
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.loop.stop_sample(stream, index, stop)
 
     def status(self) -> EngineStatus:
         return self.loop.status()
