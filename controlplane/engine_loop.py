@@ -27,6 +27,7 @@ from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.errors import DataPlaneUnavailable, DeadlineExceeded
 from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Output, Stream
 from nanoplane.controlplane.scheduler import QueueFull
+from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.controlplane.sequence import Sequence as EngineSequence
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class EngineLoop:
         self._next_stats = 0.0
         self._step_times: list[float] | None = None  # engine thread only; None while nobody listens
         self._counted: dict[str, tuple[object, int]] = {}  # counter -> (its owner, its value at the last report)
+        self._compiling: set[Stream] = set()  # structured requests whose grammar compiles; their add comes after
+        self._aborted_compiling: set[Stream] = set()  # engine thread only: of those, aborted before their add
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -101,7 +104,17 @@ class EngineLoop:
         return self._status
 
     def add_stream(self, stream: Stream) -> None:
-        """Queue a request already checked by its consumer; its outputs go to `deliver`."""
+        """Queue a request already checked by its consumer; its outputs go to `deliver`. A grammar
+        compiles on the compiler's pool first, so the engine thread never waits for one."""
+        engine = self.engine
+        if stream.params.structured is not None and engine is not None:
+            future = engine.grammars.submit(stream.params.structured)
+            if not future.done():
+                self._compiling.add(stream)
+                future.add_done_callback(lambda f: self._post(("add", stream, f)))
+                return
+            self._post(("add", stream, future))
+            return
         self._post(("add", stream))
 
     def abort_stream(self, stream: Stream, notify: bool) -> None:
@@ -285,11 +298,17 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             stream = command[1]
+            self._compiling.discard(stream)
+            if stream in self._aborted_compiling:
+                self._aborted_compiling.remove(stream)
+                return
             if not self._ready:
                 deliveries.append((stream, DataPlaneUnavailable(self.unavailable_message())))
                 return
             try:
-                seq = self.engine.add_request(stream.token_ids, stream.params, deadline=stream.deadline)
+                grammar = command[2].result() if len(command) > 2 else None
+                seq = self.engine.add_request(stream.token_ids, stream.params, deadline=stream.deadline,
+                                              grammar=grammar)
             except (ValueError, QueueFull) as exc:
                 deliveries.append((stream, exc))
                 return
@@ -299,6 +318,11 @@ class EngineLoop:
             _, stream, notify = command
             seq = self._seq_of.pop(stream, None)
             if seq is None:
+                if stream in self._compiling:  # its add is yet to come: drop it then
+                    self._aborted_compiling.add(stream)
+                    if notify:
+                        deliveries.append((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
+                                                          len(stream.token_ids))))
                 return
             del self._stream_of[seq.seq_id]
             self.engine.abort(seq.seq_id)
