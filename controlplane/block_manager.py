@@ -161,6 +161,16 @@ class BlockManager:
         child.num_computed_tokens = child.num_prompt_tokens - 1
         return parent.block_table[last], copy
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (FlushCache); False, changing nothing, while a request holds
+        blocks: a live sequence's hashed blocks would stay findable (vLLM refuses alike)."""
+        if self.used_block_ids:
+            return False
+        for block in self.blocks:
+            block.forget()
+        self.hash_to_block_id.clear()
+        return True
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table covers num_tokens tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))

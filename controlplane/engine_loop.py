@@ -134,6 +134,10 @@ class EngineLoop:
         """Drop the stream's request; `notify`: deliver it a final ABORT output."""
         self._post(("abort", stream, notify))
 
+    def flush_prefix_cache(self, done: Callable[[bool], None]) -> None:
+        """Drop the prefix cache between steps; done(whether it was dropped) runs on the engine thread."""
+        self._post(("flush", done))
+
     def fail_stream(self, stream: Stream, error: Exception) -> None:
         """End a stream that never became a request (its consumer's request was refused) with `error`."""
         self._post(("fail", stream, error))
@@ -345,6 +349,8 @@ class EngineLoop:
                 deliveries.extend((stream, _output(stream, s, [])) for s in unfinished)
         elif kind == "fail":
             deliveries.append((command[1], command[2]))
+        elif kind == "flush":  # refused while the plane is down or a request holds blocks
+            command[1](self._ready and self.engine.scheduler.block_manager.reset_prefix_cache())
         elif kind == "ready":
             _, ready, reason, hook = command
             if hook is not None:

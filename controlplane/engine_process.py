@@ -166,6 +166,8 @@ def engine_main(launch: link.Launch) -> None:
                     core.abort_stream(stream, msg.notify)
             elif isinstance(msg, link.SetReady):
                 core.set_data_plane_ready(msg.ready, msg.reason)
+            elif isinstance(msg, link.Flush):  # answered from the engine thread, which sends the outputs too
+                core.flush_prefix_cache(lambda ok, token=msg.token: events.send(link.encode(link.Flushed(token, ok))))
             elif isinstance(msg, link.Stop):
                 orderly = True
                 break

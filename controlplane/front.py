@@ -184,6 +184,10 @@ class EngineFront(Protocol):
         """End a running request from the server side (its stream gets a final ABORT output); False
         if no request runs under that id. Event-loop thread only."""
 
+    async def flush_prefix_cache(self) -> bool:
+        """Drop the prefix cache between engine steps; False (nothing dropped) while a request holds
+        KV blocks or the data plane is down."""
+
     def status(self) -> EngineStatus:
         """The engine's counters as of its latest iteration."""
 

@@ -88,6 +88,11 @@ class InProcessFront:
         self.loop.abort_stream(stream, True)
         return True
 
+    async def flush_prefix_cache(self) -> bool:
+        done = asyncio.get_running_loop().create_future()
+        self.loop.flush_prefix_cache(lambda ok: self._event_loop.call_soon_threadsafe(_settle, done, ok))
+        return await done
+
     def status(self) -> EngineStatus:
         return self.loop.status()
 
@@ -110,6 +115,11 @@ class InProcessFront:
         # RuntimeError: the event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._event_loop.call_soon_threadsafe(_fill_queues, batch)
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    if not future.done():  # its caller may have given up
+        future.set_result(result)
 
 
 def _fill_queues(batch: list[Delivery]) -> None:

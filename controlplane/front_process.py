@@ -109,6 +109,7 @@ class ProcessFront:
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
         self._liveness = Liveness()  # since the engine process's start or its latest event
+        self._flushes: dict[int, asyncio.Future] = {}  # event loop only: Flush.token -> its caller's future
 
     # ---- EngineFront -----------------------------------------------------------------------------
 
@@ -167,6 +168,17 @@ class ProcessFront:
             return False
         self._send(link.Abort(key, True))
         return True
+
+    async def flush_prefix_cache(self) -> bool:
+        token = next(self._keys)
+        done = self._flushes[token] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(link.Flush(token))
+            return await done
+        except DataPlaneUnavailable:
+            return False
+        finally:
+            del self._flushes[token]
 
     def status(self) -> EngineStatus:
         """Counters as of the engine process's latest report."""
@@ -281,6 +293,8 @@ class ProcessFront:
                 self._facts = EngineFacts(f.architecture, f.tensor_parallel_size, f.max_model_len, f.vocab_size,
                                           f.block_size, f.kv_capacity_tokens)
             self._set_ready(event.ready, "" if event.ready else event.reason)
+        elif isinstance(event, link.Flushed):
+            self._call(self._settle_flush, event)
         # A Beat: its arrival is the point.
 
     def _replace(self, process: subprocess.Popen, reason: str | None = None) -> None:
@@ -330,11 +344,19 @@ class ProcessFront:
                                        for x in item.prompt_logprobs]
             stream.queue.put_nowait(out)
 
+    def _settle_flush(self, event: link.Flushed) -> None:
+        done = self._flushes.get(event.token)
+        if done is not None and not done.done():
+            done.set_result(event.success)
+
     def _fail_all(self, error_and_limit: tuple[BaseException, int | None]) -> None:
         """End the streams with keys below the limit (None: all of them) with the error."""
         error, limit = error_and_limit
         for key in [k for k in self._by_key if limit is None or k < limit]:
             self._by_key.pop(key).queue.put_nowait(error)
+        for done in self._flushes.values():  # a dead engine process answers no Flush
+            if not done.done():
+                done.set_result(False)
 
 
 

@@ -19,8 +19,9 @@ import msgspec
 
 MAGIC = b"NE"
 # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
-# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason)
-VERSION = 4
+# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason);
+# 5: Flush and Flushed (drop the prefix cache)
+VERSION = 5
 _HEADER = MAGIC + bytes([VERSION])
 
 
@@ -84,7 +85,13 @@ class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Stop in order: open streams end with UNAVAILABLE, the data plane is told to exit 0."""
 
 
-Command = Add | Abort | SetReady | Stop
+class Flush(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Drop the prefix cache between steps; answered by Flushed with the same token."""
+
+    token: int  # the serving process's number for this flush
+
+
+Command = Add | Abort | SetReady | Stop | Flush
 
 
 # ---- events: engine process -> serving process -----------------------------------------------------
@@ -188,7 +195,14 @@ class Readiness(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reason: str  # why it is down, bare (the serving side words it for clients); empty when up
 
 
-Event = Outputs | Beat | Status | Stats | Readiness
+class Flushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The answer to Flush: whether the prefix cache was dropped (not while a request holds blocks)."""
+
+    token: int  # Flush.token
+    success: bool
+
+
+Event = Outputs | Beat | Status | Stats | Readiness | Flushed
 
 # ---- the engine process's start: its command line -------------------------------------------------
 
