@@ -58,6 +58,7 @@ class ServedModel:
     name: str  # served model name
     max_num_seqs: int
     dtype: str  # the engine's option ("auto", "bfloat16", ...)
+    device: str  # "cuda" or "cpu": what "auto" resolves by
 
     @property
     def hf_config(self) -> dict:
@@ -189,10 +190,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_num_seqs=self.model.max_num_seqs)
 
     def _dtype(self) -> str:
+        """The weights' dtype as vLLM names it ("torch.bfloat16"); "auto" resolved as the data plane does."""
         dtype = self.model.dtype
         if dtype == "auto":
-            dtype = self._hf["torch_dtype"] or ""
-        return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+            dtype = "float32" if self.model.device == "cpu" else \
+                "float16" if str(self._hf["torch_dtype"]).removeprefix("torch.") == "float16" else "bfloat16"
+        return f"torch.{dtype}"
 
     async def GetLoads(self, request: vpb.GetLoadsRequest, context) -> vpb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
@@ -239,7 +242,7 @@ def _int(value: object) -> int:
 def vllm_service(config: EngineConfig, name: str, kv_events: KvEventSource | None = None) -> AddService:
     """GenerationServer's hook that serves VllmEngine beside nanoplane.v1 (`services=[...]`).
     `kv_events`: what SubscribeKvEvents relays; None: StubKvEventSource (no events)."""
-    model = ServedModel(Path(config.model), name, config.max_num_seqs, config.dtype)
+    model = ServedModel(Path(config.model), name, config.max_num_seqs, config.dtype, config.device)
 
     def add(server: grpc.aio.Server, nano: GenerationServicer) -> str:
         servicer = VllmEngineServicer(nano.front, nano, model, kv_events)

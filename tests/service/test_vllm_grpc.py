@@ -269,7 +269,7 @@ def test_health_model_server_info_and_loads(vllm, server, model):
     server_info = vllm.GetServerInfo(vpb.GetServerInfoRequest())
     assert server_info.server_type == "vllm-grpc" and server_info.block_size == 16
     assert server_info.max_num_seqs == SEQS and server_info.data_parallel_size == 1
-    assert server_info.uptime_seconds > 0 and server_info.model_dtype == "float32"
+    assert server_info.uptime_seconds > 0 and server_info.model_dtype == "torch.float32"
     loads = vllm.GetLoads(vpb.GetLoadsRequest())
     assert loads.dp_rank_count == 1 and loads.loads[0].max_total_num_tokens > 0
     assert loads.loads[0].max_running_requests == SEQS
