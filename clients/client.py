@@ -39,7 +39,8 @@ from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages
 Pem = str | Path | bytes  # a file's path, or PEM bytes
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos", pb.FINISH_REASON_LENGTH: "length",
+                  pb.FINISH_REASON_ABORT: "abort"}
 
 
 @dataclass(slots=True)
@@ -56,8 +57,9 @@ class Chunk:
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last chunk
+    finish_reason: str | None = None  # "stop", "eos", "length" or "abort" on a sample's last chunk
     usage: Usage | None = None  # on the first chunk (prompt counts) and the last (final counts)
+    index: int = 0  # the sample (of the request's n) the chunk belongs to
 
 
 @dataclass(slots=True)
@@ -107,7 +109,7 @@ def _tokenize_request(text: str | None, messages: Sequence[dict] | None) -> pb.T
 def _chunk(r: pb.GenerateResponse) -> Chunk:
     usage = Usage(r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_prompt_tokens) \
         if r.HasField("usage") else None
-    return Chunk(r.request_id, list(r.token_ids), r.text, FINISH_REASONS.get(r.finish_reason), usage)
+    return Chunk(r.request_id, list(r.token_ids), r.text, FINISH_REASONS.get(r.finish_reason), usage, r.index)
 
 
 class BatchProgress:

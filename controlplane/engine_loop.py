@@ -41,8 +41,21 @@ Delivery = tuple[Stream, Output | BaseException]
 
 
 def _output(stream: Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
-    return Output(stream.request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
-                  seq.num_completion_tokens, seq.num_cached_prompt_tokens)
+    out = Output(stream.request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
+                 seq.num_completion_tokens, seq.num_cached_prompt_tokens, seq.sample_index, None, None,
+                 seq.stop_reason)
+    if seq.logprobs is not None and token_ids:  # the entries of the tokens just produced (the latest known)
+        end = seq.num_completion_tokens
+        out.logprobs = seq.logprobs[end - len(token_ids):end]
+    # Once, with sample 0's first token: prefill is complete by then, so the list is whole.
+    if seq.prompt_logprobs is not None and seq.sample_index == 0 and token_ids and seq.num_completion_tokens == 1:
+        out.prompt_logprobs = seq.prompt_logprobs
+    return out
+
+
+def _unfinished(seq: EngineSequence) -> list[EngineSequence]:
+    """The samples of seq's request (seq.group) that have not finished."""
+    return [s for s in seq.group if not s.is_finished]
 
 
 class EngineLoop:
@@ -73,8 +86,8 @@ class EngineLoop:
         self._unready_reason = "" if engine is not None else "waiting for a data plane to attach"
         self.facts = EngineFacts.of(engine) if engine is not None else None  # kept while the plane is down
         self._listeners: list[Callable[[bool], None]] = []
-        self._seq_of: dict[Stream, EngineSequence] = {}  # engine thread only
-        self._stream_of: dict[int, Stream] = {}  # engine thread only: seq_id -> stream
+        self._seq_of: dict[Stream, EngineSequence] = {}  # engine thread only: its request's sample 0
+        self._stream_of: dict[int, Stream] = {}  # engine thread only: sample 0's seq_id -> stream
         self._thread: threading.Thread | None = None
         self._deliver, self._on_status = deliver, on_status
         self._status = self._snapshot()
@@ -253,7 +266,7 @@ class EngineLoop:
         if out.rows and self._step_times is not None:
             self._step_times.append(time.perf_counter() - started)
         for seq in self.engine.take_expired():
-            stream = self._stream_of.pop(seq.seq_id, None)
+            stream = self._stream_of.pop(seq.group[0].seq_id, None)
             if stream is not None:
                 del self._seq_of[stream]
                 waited = time.monotonic() - seq.queued_since
@@ -261,12 +274,13 @@ class EngineLoop:
                     f"the request's deadline passed after {waited:.2f}s in the server's queue, before it "
                     "started; nothing was computed for it")))
         for seq, token in out.produced:
-            stream = self._stream_of.get(seq.seq_id)
+            first = seq.group[0]  # a request's samples all map to its stream through sample 0
+            stream = self._stream_of.get(first.seq_id)
             if stream is None:
                 continue
             deliveries.append((stream, _output(stream, seq, [token])))
-            if seq.is_finished:
-                del self._stream_of[seq.seq_id], self._seq_of[stream]
+            if seq.is_finished and (len(first.group) == 1 or not _unfinished(first)):
+                del self._stream_of[first.seq_id], self._seq_of[stream]
         # With steps in flight the first steps of a burst return no rows yet: that is progress too.
         return bool(out.rows) or bool(self.engine.inflight)
 
@@ -301,9 +315,10 @@ class EngineLoop:
             if seq is None:
                 return
             del self._stream_of[seq.seq_id]
-            self.engine.abort(seq.seq_id)
-            if notify:
-                deliveries.append((stream, _output(stream, seq, [])))
+            unfinished = _unfinished(seq)
+            self._abort(seq)
+            if notify:  # a final ABORT output for each sample still running
+                deliveries.extend((stream, _output(stream, s, [])) for s in unfinished)
         elif kind == "fail":
             deliveries.append((command[1], command[2]))
         elif kind == "ready":
@@ -319,9 +334,14 @@ class EngineLoop:
             elif not self._ready:
                 self._set_ready()
 
+    def _abort(self, seq: EngineSequence) -> None:
+        """Drop every sample of seq's request."""
+        for sample in seq.group:
+            self.engine.abort(sample.seq_id)
+
     def _drop_all(self, reason: str, deliveries: list) -> None:
         for stream, seq in self._seq_of.items():
-            self.engine.abort(seq.seq_id)
+            self._abort(seq)
             deliveries.append((stream, DataPlaneUnavailable(reason)))
         self._seq_of.clear()
         self._stream_of.clear()

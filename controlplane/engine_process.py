@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 
+import msgspec
 import zmq
 
 from nanoplane.controlplane.config import EngineConfig
@@ -44,9 +45,21 @@ def outputs_event(batch: list[Delivery]) -> link.Outputs:
             items.append(link.Failure(stream.request_id, failure_kind(item), str(item)))
             continue
         reason = item.finish_reason.value if item.finish_reason is not None else None
+        logprobs = prompt_logprobs = None
+        if item.logprobs is not None:  # only requests that asked pay for the conversion
+            logprobs = [link.Logprob(x.token_id, x.logprob, x.rank, x.top) for x in item.logprobs]
+        if item.prompt_logprobs is not None:
+            prompt_logprobs = [None if x is None else link.Logprob(x.token_id, x.logprob, x.rank, x.top)
+                               for x in item.prompt_logprobs]
         items.append(link.Delta(stream.request_id, item.token_ids, item.finished, reason, item.num_prompt_tokens,
-                                item.num_completion_tokens, item.num_cached_tokens))
+                                item.num_completion_tokens, item.num_cached_tokens, item.index, logprobs,
+                                prompt_logprobs, item.stop_reason))
     return link.Outputs(items)
+
+
+def sampling_from_link(s: link.Sampling) -> SamplingParams:
+    """The engine's parameters from the link's: the same fields by name (tests/unit/test_engine_link.py)."""
+    return SamplingParams(**msgspec.structs.asdict(s))
 
 
 def readiness_event(ready: bool, facts: EngineFacts | None, reason: str) -> link.Readiness:
@@ -142,8 +155,7 @@ def engine_main(launch: link.Launch) -> None:
                     stream.deadline = time.monotonic() + msg.timeout_s
                 streams[msg.key] = stream
                 try:
-                    stream.params = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens, s.seed,
-                                                   s.ignore_eos, list(s.stop_token_ids))
+                    stream.params = sampling_from_link(s)
                 except ValueError as exc:  # checked by the serving process already; refused, not fatal, here
                     core.fail_stream(stream, exc)
                     continue

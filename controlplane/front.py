@@ -123,23 +123,38 @@ class Stream:
 
 
 async def read_stream(stream: Stream) -> AsyncIterator[Output]:
-    """A stream's outputs up to the finished one; a consumer that fell behind gets what queued up
-    meanwhile as one output. An exception in the queue is raised after the outputs before it."""
-    pending: Output | BaseException | None = None
+    """A stream's outputs until every sample (params.n of them) has had its finished one; a consumer
+    that fell behind gets what queued up meanwhile as one output per sample. An exception in the
+    queue is raised after the outputs before it."""
+    left = stream.params.n
     while True:
-        item = pending if pending is not None else await stream.queue.get()
-        pending = None
+        items, error = _coalesce(await stream.queue.get(), stream.queue)
+        for item in items:
+            yield item
+            left -= item.finished
+            if not left:
+                return
+        if error is not None:
+            raise error
+
+
+def _coalesce(item: Output | BaseException, queue: asyncio.Queue) -> tuple[list[Output], BaseException | None]:
+    """`item` and what `queue` holds now, up to the first exception: merged into one Output per
+    sample (in the order the samples first appear), and that exception."""
+    merged: dict[int, Output] = {}
+    error = None
+    while True:
         if isinstance(item, BaseException):
-            raise item
-        while not stream.queue.empty():
-            later = stream.queue.get_nowait()
-            if isinstance(later, BaseException):
-                pending = later  # send what arrived before the error first
-                break
-            item.merge(later)
-        yield item
-        if item.finished:
-            return
+            error = item  # sent after what arrived before it
+            break
+        if (first := merged.get(item.index)) is None:
+            merged[item.index] = item
+        else:
+            first.merge(item)
+        if queue.empty():
+            break
+        item = queue.get_nowait()
+    return list(merged.values()), error
 
 
 class EngineFront(Protocol):

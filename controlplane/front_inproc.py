@@ -69,10 +69,11 @@ class InProcessFront:
             stream.deadline = time.monotonic() + timeout_s
         self._streams[request_id] = stream
         self.loop.add_stream(stream)
-        finished = False
+        finished, left = False, params.n  # the request is over once every sample has finished
         try:
             async for item in read_stream(stream):
-                finished = item.finished
+                left -= item.finished
+                finished = not left
                 yield item
         finally:
             if self._streams.get(request_id) is stream:

@@ -54,7 +54,7 @@ from nanoplane.controlplane.front import (
     wait_for_free_id,
 )
 from nanoplane.controlplane.sampling_params import SamplingParams
-from nanoplane.controlplane.sequence import FinishReason
+from nanoplane.controlplane.sequence import FinishReason, Logprob
 from nanoplane.liveness import Liveness
 from nanoplane.process import terminate
 from nanoplane.proto import engine_link as link
@@ -144,11 +144,11 @@ class ProcessFront:
         finished = False
         try:
             # In the try: if the send fails (the engine process just died), the id and key are released.
-            self._send(link.Add(key, token_ids, link.Sampling(
-                params.temperature, params.top_p, params.top_k, params.min_p, params.max_tokens, params.seed,
-                params.ignore_eos, list(params.stop_token_ids)), timeout_s))
+            self._send(link.Add(key, token_ids, sampling_to_link(params), timeout_s))
+            left = params.n  # the request is over once every sample has finished
             async for item in read_stream(stream):
-                finished = item.finished
+                left -= item.finished
+                finished = not left
                 yield item
         finally:
             if self._streams.get(request_id) is stream:
@@ -321,9 +321,14 @@ class ProcessFront:
                 stream.queue.put_nowait(failure_error(item.kind, item.message))
                 continue
             reason = FinishReason(item.finish_reason) if item.finish_reason is not None else None
-            stream.queue.put_nowait(Output(stream.request_id, item.token_ids, item.finished, reason,
-                                           item.num_prompt_tokens, item.num_completion_tokens,
-                                           item.num_cached_tokens))
+            out = Output(stream.request_id, item.token_ids, item.finished, reason, item.num_prompt_tokens,
+                         item.num_completion_tokens, item.num_cached_tokens, item.index, None, None, item.stop_reason)
+            if item.logprobs is not None:  # only requests that asked pay for the conversion
+                out.logprobs = [Logprob(x.token_id, x.logprob, x.rank, x.top) for x in item.logprobs]
+            if item.prompt_logprobs is not None:
+                out.prompt_logprobs = [None if x is None else Logprob(x.token_id, x.logprob, x.rank, x.top)
+                                       for x in item.prompt_logprobs]
+            stream.queue.put_nowait(out)
 
     def _fail_all(self, error_and_limit: tuple[BaseException, int | None]) -> None:
         """End the streams with keys below the limit (None: all of them) with the error."""
@@ -331,6 +336,11 @@ class ProcessFront:
         for key in [k for k in self._by_key if limit is None or k < limit]:
             self._by_key.pop(key).queue.put_nowait(error)
 
+
+
+def sampling_to_link(params: SamplingParams) -> link.Sampling:
+    """The link's parameters from the engine's: the same fields by name (tests/unit/test_engine_link.py)."""
+    return link.Sampling(**{name: getattr(params, name) for name in link.Sampling.__struct_fields__})
 
 
 def _wait(process: subprocess.Popen, timeout: float) -> None:

@@ -8,8 +8,8 @@ in its own; this module only converts between protobuf and engine types and turn
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import math
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -19,24 +19,17 @@ import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nanoplane.controlplane.detokenizer import TextStream
 from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
-from nanoplane.controlplane.front import EngineFront, Output
+from nanoplane.controlplane.front import EngineFront
+from nanoplane.controlplane.grpc_sampling import SampleStreams, check_structured, sampling_from_proto
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS, Metrics
-from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.security import ServerSecurity
-from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
 from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# Bounds on what one request may ask of the event loop that serves every stream (each stop string
-# is matched against the text at every message, on the event loop).
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
 MAX_REQUEST_ID_CHARS = 256  # echoed in every message and in error details (metadata is capped at 8-16 KiB)
 # Prompt text up to this many characters a token of max_model_len is encoded at once; longer text is
 # counted piece by piece first (GenerationServicer._refuse_surely_longer). English runs ~4 a token.
@@ -55,51 +48,6 @@ DEFAULT_SERVER_OPTIONS: list[tuple[str, object]] = [
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # At shutdown, the time the streams still open after the grace get to send the engine's status.
 _CLOSING_S = 3.0
-FINISH_REASONS = {FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-                  FinishReason.ABORT: pb.FINISH_REASON_ABORT}
-
-
-def _f32(x: float) -> float:
-    # proto floats are float32: 0.7 arrives as 0.699999988. Seven significant digits give back
-    # the number the client wrote, for sampling and for error messages alike.
-    return float(f"{x:.7g}") if math.isfinite(x) else x
-
-
-def sampling_from_proto(sp: pb.SamplingParams) -> tuple[SamplingParams, list[str]]:
-    """Engine sampling parameters and stop strings; raises NotImplementedError / ValueError."""
-    if sp.min_tokens:
-        raise NotImplementedError(f"min_tokens is not implemented yet (got {sp.min_tokens}); leave it 0")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(sp, name) != 0:
-            raise NotImplementedError(f"{name} is not implemented yet (got {_f32(getattr(sp, name))}); "
-                                      "leave it 0 (neutral)")
-    if sp.HasField("repetition_penalty"):
-        if not sp.repetition_penalty > 0:
-            raise ValueError(f"invalid sampling parameter repetition_penalty={_f32(sp.repetition_penalty)}: "
-                             "must be > 0 (1 is neutral)")
-        if sp.repetition_penalty != 1:
-            raise NotImplementedError(f"repetition_penalty is not implemented yet (got "
-                                      f"{_f32(sp.repetition_penalty)}); leave it unset or 1 (neutral)")
-    if sp.HasField("logprobs"):
-        raise NotImplementedError("logprobs is not implemented yet; leave it unset")
-    if any(not s for s in sp.stop):
-        raise ValueError("invalid sampling parameter stop: stop strings must not be empty")
-    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"invalid sampling parameter stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids "
-                         f"(got {len(sp.stop_token_ids)})")
-    if len(sp.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in sp.stop):
-        raise ValueError(f"invalid sampling parameter stop: at most {MAX_STOP_STRINGS} stop strings of at most "
-                         f"{MAX_STOP_STRING_CHARS} characters each (got {len(sp.stop)}, the longest "
-                         f"{max(map(len, sp.stop))} characters)")
-    kwargs: dict = dict(top_k=sp.top_k, min_p=_f32(sp.min_p), ignore_eos=sp.ignore_eos,
-                        stop_token_ids=list(sp.stop_token_ids))
-    for name in ("temperature", "top_p"):
-        if sp.HasField(name):
-            kwargs[name] = _f32(getattr(sp, name))
-    for name in ("max_tokens", "seed"):
-        if sp.HasField(name):
-            kwargs[name] = getattr(sp, name)
-    return SamplingParams(**kwargs), list(sp.stop)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -170,38 +118,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return list(request.token_ids.ids)
         return (await self._chat(request.messages))[1]
 
-    def _usage(self, out: Output) -> pb.Usage:
-        return pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_completion_tokens,
-                        cached_prompt_tokens=out.num_cached_tokens)
-
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         measure = self.metrics.request() if self.metrics is not None else NO_REQUEST_METRICS
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id is {len(request.request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_CHARS} are allowed")
-        params, stops = sampling_from_proto(request.sampling)
+        params = sampling_from_proto(request.sampling)
         token_ids = await self._prompt_ids(request)
+        await check_structured(params, self.tokenizer)
         request_id = request.request_id or uuid.uuid4().hex
-        text = TextStream(self.tokenizer, token_ids, stops)
-        first = True
+        samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
         # aclosing: leaving this block for any reason (client gone, stop string, error) closes the
         # engine stream at once, which aborts the request and frees its blocks within a step.
         # The call's deadline, as seconds left now; the engine drops the request if it is still queued then.
         timeout_s = context.time_remaining()
         async with aclosing(self.front.generate(token_ids, params, request_id, timeout_s)) as outputs:
             async for out in outputs:
-                response = pb.GenerateResponse(request_id=request_id, token_ids=out.token_ids,
-                                               text=text.push(out.token_ids, finished=out.finished))
-                if text.stopped:
-                    response.finish_reason = pb.FINISH_REASON_STOP
-                elif out.finished:
-                    response.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_STOP)
-                if first or response.finish_reason:
-                    response.usage.CopyFrom(self._usage(out))
-                first = False
-                measure.output(out, text.stopped)
+                response, stopped = samples.response(out)
+                if response is None:  # a sample a stop string ended: the engine's tokens past it are dropped
+                    continue
+                # The request's metrics end with its last sample.
+                measure.output(out if samples.done or not response.finish_reason
+                               else dataclasses.replace(out, finished=False), stopped and samples.done)
                 yield response
-                if text.stopped:
+                if samples.done:
                     return
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

@@ -13,12 +13,14 @@ This module imports msgspec only: it is the schema another implementation of eit
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 MAGIC = b"NE"
-VERSION = 3  # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures
+# 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
+# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason)
+VERSION = 4
 _HEADER = MAGIC + bytes([VERSION])
 
 
@@ -27,7 +29,8 @@ class LinkError(ValueError):
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True):
-    """A request's sampling parameters (controlplane.sampling_params.SamplingParams, field for field)."""
+    """A request's sampling parameters (controlplane.sampling_params.SamplingParams, field for field;
+    with its defaults, so that older positional construction stays valid)."""
 
     temperature: float  # 0 is greedy
     top_p: float  # nucleus mass in (0, 1]; 1 disables
@@ -37,6 +40,19 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None  # None: the data plane's shared random stream
     ignore_eos: bool  # keep going past the end-of-sequence token
     stop_token_ids: list[int]  # extra ids that end the output
+    min_tokens: int = 0  # end-of-sequence and stop ids are masked until the output holds this many
+    stop: list[str] = []  # strings that end the output (matched by the serving process's detokenizer)
+    include_stop_str_in_output: bool = False  # keep the stop string in the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # a space between special tokens and their neighbours' text
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 disables
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 disables
+    repetition_penalty: float = 1.0  # in (0, 2]; 1 disables
+    logit_bias: dict[int, float] = {}  # token id -> bias added to its logit
+    logprobs: int | None = None  # None: none; N: the sampled token's logprob and the top N
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    n: int = 1  # parallel samples of the prompt
+    structured: dict[str, Any] | None = None  # one of json_schema / json_object / regex / choice / grammar
 
 
 # ---- commands: serving process -> engine process ---------------------------------------------------
@@ -73,16 +89,30 @@ Command = Add | Abort | SetReady | Stop
 
 # ---- events: engine process -> serving process -----------------------------------------------------
 
+class Logprob(msgspec.Struct, frozen=True, array_like=True):
+    """Log probabilities at one position (controlplane.sequence.Logprob, field for field)."""
+
+    token_id: int  # the sampled token, or the prompt's
+    logprob: float  # its log probability
+    rank: int  # 1 + the number of tokens more likely than it
+    top: list[tuple[int, float]]  # the N most likely (token id, logprob), most likely first
+
+
 class Delta(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """What one request gained in a step (controlplane.front.Output without the request id)."""
+    """What one sample of a request gained in a step (controlplane.front.Output without the request id).
+    The fields after num_cached_tokens keep their defaults for requests that use none of them."""
 
     key: int  # Add.key of the request
     token_ids: list[int]  # new token ids since its previous Delta
-    finished: bool  # this is the request's last Delta
-    finish_reason: Literal["stop", "length", "abort"] | None  # once finished: sequence.FinishReason's value
+    finished: bool  # this is the sample's last Delta (the request's once every sample has had one)
+    finish_reason: Literal["stop", "eos", "length", "abort"] | None  # once finished: sequence.FinishReason's value
     num_prompt_tokens: int  # tokens in the prompt
     num_completion_tokens: int  # output tokens so far
     num_cached_tokens: int  # prompt tokens reused from the prefix cache
+    index: int = 0  # which of the request's n samples gained the tokens
+    logprobs: list[Logprob] | None = None  # one per entry of token_ids, when the request asked
+    prompt_logprobs: list[Logprob | None] | None = None  # the prompt's (None for token 0), once, on sample 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
 
 
 # Failure kinds, each raised as its own class on the serving side.

