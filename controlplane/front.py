@@ -19,6 +19,7 @@ from nanoplane.controlplane.engine import Engine, validate_request
 from nanoplane.controlplane.errors import RequestIdInUse
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
+from nanoplane.proto.kv_events import KvEventBatch
 
 # A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
 # after its per-try timeout, a client reconnecting) can get here before the cancelled call's handler
@@ -196,6 +197,17 @@ class EngineFront(Protocol):
 
     def set_data_plane_ready(self, ready: bool, reason: str = "") -> None:
         """Readiness pushed from outside (a transport that lost or regained the plane); thread-safe."""
+
+    def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatch]:
+        """KV-cache event batches (proto/kv_events.py), numbered from 1; 0, or a number the replay
+        buffer no longer holds, starts with a snapshot (AllBlocksCleared, then every cached block).
+        Raises KvEventsOff (controlplane/kv_events.py) under --kv-events off. Event-loop thread only;
+        closing the iterator ends the subscription. The module docstring of kv_events.py has the rest."""
+
+    async def flush_cache(self) -> int:
+        """Empty the prefix cache (blocks running requests hold stay theirs, found by no new request);
+        returns how many blocks it held; subscribers get AllBlocksCleared. Raises DataPlaneUnavailable
+        if the engine process is not there to do it."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams end with DataPlaneUnavailable "the server is shutting down");

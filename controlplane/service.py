@@ -26,6 +26,7 @@ from nanoplane.controlplane.engine import DataPlaneClient, Engine
 from nanoplane.controlplane.front_inproc import InProcessFront
 from nanoplane.controlplane.front_process import ProcessFront, engine_process_enabled
 from nanoplane.controlplane.grpc_server import GenerationServer
+from nanoplane.controlplane.kv_events import buffer_size
 from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.supervisor import DataPlaneSupervisor
@@ -59,7 +60,8 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
         return Engine(config, data_plane, tokenizer.eos_token_ids, start_timeout=attach_timeout_s)
 
     engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
-    return GenerationServer(InProcessFront(engine, recover or attach, recover_interval_s), tokenizer,
+    front = InProcessFront(engine, recover or attach, recover_interval_s, buffer_size(config))
+    return GenerationServer(front, tokenizer,
                             model_name or Path(config.model).name, address, security=security, metrics=metrics)
 
 

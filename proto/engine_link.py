@@ -17,10 +17,13 @@ from typing import Any, Literal
 
 import msgspec
 
+from nanoplane.proto.kv_events import KvEvent
+
 MAGIC = b"NE"
 # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
-# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason)
-VERSION = 4
+# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason);
+# 5: KV-cache events (RecordKvEvents, KvEvents) and FlushCache / CacheFlushed
+VERSION = 5
 _HEADER = MAGIC + bytes([VERSION])
 
 
@@ -84,7 +87,20 @@ class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Stop in order: open streams end with UNAVAILABLE, the data plane is told to exit 0."""
 
 
-Command = Add | Abort | SetReady | Stop
+class RecordKvEvents(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Someone subscribes to KV-cache events: record them, starting with a snapshot (a fresh one if
+    recording already); or nobody does any more: stop."""
+
+    on: bool
+
+
+class FlushCache(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Empty the prefix cache; answered by CacheFlushed with the same key."""
+
+    key: int  # the serving process's number for the call
+
+
+Command = Add | Abort | SetReady | Stop | RecordKvEvents | FlushCache
 
 
 # ---- events: engine process -> serving process -----------------------------------------------------
@@ -188,7 +204,22 @@ class Readiness(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reason: str  # why it is down, bare (the serving side words it for clients); empty when up
 
 
-Event = Outputs | Beat | Status | Stats | Readiness
+class KvEvents(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """One engine-loop iteration's KV-cache events, while recording (the serving process numbers them)."""
+
+    timestamp: float  # time.time() on the engine
+    events: list[KvEvent]  # proto/kv_events.py
+    snapshot: bool  # the answer to RecordKvEvents(on): AllBlocksCleared, then every cached block
+
+
+class CacheFlushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """FlushCache is done."""
+
+    key: int  # FlushCache.key
+    blocks: int  # blocks the prefix cache held
+
+
+Event = Outputs | Beat | Status | Stats | Readiness | KvEvents | CacheFlushed
 
 # ---- the engine process's start: its command line -------------------------------------------------
 
