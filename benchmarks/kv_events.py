@@ -44,7 +44,7 @@ def run(model_dir: str, block_size: int, blocks: int, events: bool) -> tuple[flo
         tap.follow(engine.scheduler.block_manager)
         tap.record(True)
     prompts, max_tokens = workload()
-    for prompt, n in zip(prompts, max_tokens):
+    for prompt, n in zip(prompts, max_tokens, strict=True):
         engine.add_request(prompt, SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True))
     steps, spent = 0, 0.0
     while engine.has_work():

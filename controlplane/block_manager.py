@@ -205,15 +205,17 @@ class BlockManager:
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def flush(self) -> int:
-        """Empty the prefix cache; returns how many blocks it indexed. Free blocks become plain free
-        blocks; blocks that requests hold keep their contents and hashes (their sequences' later blocks
-        chain on them) but no later request finds them."""
-        dropped = len(self.hash_to_block_id)
-        self.hash_to_block_id.clear()
+        """Drop every cached-but-free block from the prefix cache (FlushCache); returns how many. Blocks
+        that running requests hold stay, cached: recorded as CLEARED, then STORED for each of them."""
+        dropped = 0
         for block_id in self.free_block_ids:
-            self.blocks[block_id].forget()
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+                dropped += 1
+            block.forget()
         if self.kv_events is not None:
-            self.kv_events.append((CLEARED,))
+            self.kv_events.extend(self.cached_records())
         return dropped
 
     def cached_records(self) -> list[tuple]:

@@ -6,6 +6,7 @@ service); only the `DataPlaneClient` differs.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from nanoplane.controlplane.logprobs import take_logprobs, take_prompt_logprobs,
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.scheduler import Scheduler, SchedulerOutput
 from nanoplane.controlplane.sequence import FinishReason, Sequence
+from nanoplane.controlplane.structured import CompiledGrammar, GrammarCompiler, SequenceGrammar
 from nanoplane.proto.plane import MAX_STEPS_IN_FLIGHT, NewRequest, PlaneInfo, StepDescriptor, StepResult, int32_column
 
 
@@ -107,6 +109,11 @@ class Engine:
         self.step_id = 0
         self.epoch = info.epoch
         self.seqs: dict[int, Sequence] = {}
+        # Structured output's compiler; llguidance's tokenizer is built on its first compile, not here.
+        self.grammars = GrammarCompiler(config.model, self.vocab_size, self.scheduler.eos_token_ids)
+        # Structured output's host work in describe(): seconds, steps with masks, mask rows (benchmarks).
+        self.mask_time_s = 0.0
+        self.num_mask_steps = self.num_mask_rows = 0
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -117,24 +124,33 @@ class Engine:
         validate_request(token_ids, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
 
     def add_request(self, token_ids: list[int], params: SamplingParams, validated: bool = False,
-                    deadline: float | None = None) -> Sequence:
+                    deadline: float | None = None, grammar: CompiledGrammar | None = None) -> Sequence:
         """Queue a request. `validated`: the caller has just run validate() on these very arguments
         (a batch checked whole before any of it is queued), so the per-token pass is not run twice.
         `deadline`: the time.monotonic() by which it must start, else it is dropped (take_expired).
-        Raises ValueError, or scheduler.QueueFull when the waiting queue is at its bound.
+        `grammar`: params.structured compiled by self.grammars; without it a structured request
+        waits here for its compile (instant when cached: submit it first, off this thread).
+        Raises ValueError (a grammar that does not compile, too), or scheduler.QueueFull when the
+        waiting queue is at its bound.
 
         With params.n > 1 the request has n samples, seq.group (sample i draws with seed + i); the
         returned one is sample 0, whose prompt is computed once and shared with the others."""
         token_ids = list(token_ids)
         if not validated:
             self.validate(token_ids, params)
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
         seq = Sequence(token_ids, params, self.block_size)
+        if grammar is not None:
+            seq.grammar = SequenceGrammar(grammar)
         seq.deadline = deadline
         if params.n > 1:
             seq.group = [seq] + [Sequence(token_ids, params, self.block_size) for _ in range(1, params.n)]
             for i, sample in enumerate(seq.group[1:], 1):
                 sample.sample_index, sample.group, sample.queued_since = i, seq.group, None
                 sample.prompt_logprobs = None  # the prompt's are sample 0's alone
+                if grammar is not None:
+                    sample.grammar = SequenceGrammar(grammar)  # each sample walks the grammar alone
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
         return seq
@@ -252,8 +268,28 @@ class Engine:
             copy_src=int32_column([src for src, _ in out.copies]),
             copy_dst=int32_column([dst for _, dst in out.copies]),
         )
+        self._add_masks(out, desc)
         self.step_id += 1
         return desc
 
+    def _add_masks(self, out: SchedulerOutput, desc: StepDescriptor) -> None:
+        """Allowed-token masks for the rows that sample under a grammar (before advance(): a row samples
+        when it computes its sequence's last known token). A grammar row is only scheduled with its
+        previous token known (scheduler), so its matcher is up to date."""
+        rows, grammars = [], []
+        for i, seq in enumerate(out.seqs):
+            if seq.grammar is not None and seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                seq.grammar.ensure(seq.completion_token_ids)
+                rows.append(i)
+                grammars.append(seq.grammar)
+        if rows:
+            started = time.perf_counter()
+            desc.bitmask = self.grammars.fill_masks(grammars)
+            desc.bitmask_rows = int32_column(rows)
+            self.mask_time_s += time.perf_counter() - started
+            self.num_mask_steps += 1
+            self.num_mask_rows += len(rows)
+
     def close(self) -> None:
+        self.grammars.close()
         self.data_plane.close()

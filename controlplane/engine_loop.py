@@ -28,6 +28,7 @@ from nanoplane.controlplane.errors import DataPlaneUnavailable, DeadlineExceeded
 from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Output, Stream
 from nanoplane.controlplane.kv_events import KvEventTap, Publish
 from nanoplane.controlplane.scheduler import QueueFull
+from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.controlplane.sequence import Sequence as EngineSequence
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class EngineLoop:
         self._next_stats = 0.0
         self._step_times: list[float] | None = None  # engine thread only; None while nobody listens
         self._counted: dict[str, tuple[object, int]] = {}  # counter -> (its owner, its value at the last report)
+        self._compiling: set[Stream] = set()  # structured requests whose grammar compiles; their add comes after
+        self._aborted_compiling: set[Stream] = set()  # engine thread only: of those, aborted before their add
         self._kv: KvEventTap | None = None  # KV-cache events, once a publisher is set
 
     def set_kv_publisher(self, publish: Publish) -> None:
@@ -106,10 +109,6 @@ class EngineLoop:
     def record_kv_events(self, on: bool) -> None:
         """Start recording KV-cache events with a snapshot of the cache (a fresh one if on), or stop."""
         self._post(("kv", on))
-
-    def flush_cache(self, reply: Callable[[int], None]) -> None:
-        """Empty the prefix cache; reply(blocks it held) runs on the engine thread."""
-        self._post(("flush", reply))
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -129,12 +128,26 @@ class EngineLoop:
         return self._status
 
     def add_stream(self, stream: Stream) -> None:
-        """Queue a request already checked by its consumer; its outputs go to `deliver`."""
+        """Queue a request already checked by its consumer; its outputs go to `deliver`. A grammar
+        compiles on the compiler's pool first, so the engine thread never waits for one."""
+        engine = self.engine
+        if stream.params.structured is not None and engine is not None:
+            future = engine.grammars.submit(stream.params.structured)
+            if not future.done():
+                self._compiling.add(stream)
+                future.add_done_callback(lambda f: self._post(("add", stream, f)))
+                return
+            self._post(("add", stream, future))
+            return
         self._post(("add", stream))
 
     def abort_stream(self, stream: Stream, notify: bool) -> None:
         """Drop the stream's request; `notify`: deliver it a final ABORT output."""
         self._post(("abort", stream, notify))
+
+    def flush_prefix_cache(self, done: Callable[[bool], None]) -> None:
+        """Drop the prefix cache between steps; done(whether it was dropped) runs on the engine thread."""
+        self._post(("flush", done))
 
     def fail_stream(self, stream: Stream, error: Exception) -> None:
         """End a stream that never became a request (its consumer's request was refused) with `error`."""
@@ -316,11 +329,17 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             stream = command[1]
+            self._compiling.discard(stream)
+            if stream in self._aborted_compiling:
+                self._aborted_compiling.remove(stream)
+                return
             if not self._ready:
                 deliveries.append((stream, DataPlaneUnavailable(self.unavailable_message())))
                 return
             try:
-                seq = self.engine.add_request(stream.token_ids, stream.params, deadline=stream.deadline)
+                grammar = command[2].result() if len(command) > 2 else None
+                seq = self.engine.add_request(stream.token_ids, stream.params, deadline=stream.deadline,
+                                              grammar=grammar)
             except (ValueError, QueueFull) as exc:
                 deliveries.append((stream, exc))
                 return
@@ -330,6 +349,11 @@ class EngineLoop:
             _, stream, notify = command
             seq = self._seq_of.pop(stream, None)
             if seq is None:
+                if stream in self._compiling:  # its add is yet to come: drop it then
+                    self._aborted_compiling.add(stream)
+                    if notify:
+                        deliveries.append((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
+                                                          len(stream.token_ids))))
                 return
             del self._stream_of[seq.seq_id]
             unfinished = _unfinished(seq)
@@ -341,8 +365,10 @@ class EngineLoop:
         elif kind == "kv":
             self._kv.follow(self.engine.scheduler.block_manager if self.engine is not None else None)
             self._kv.record(command[1])
-        elif kind == "flush":
-            command[1](self.engine.scheduler.block_manager.flush() if self.engine is not None else 0)
+        elif kind == "flush":  # refused while the plane is down: a new engine's cache starts empty anyway
+            if self._ready:
+                self.engine.scheduler.block_manager.flush()
+            command[1](self._ready)
         elif kind == "ready":
             _, ready, reason, hook = command
             if hook is not None:

@@ -170,9 +170,8 @@ def engine_main(launch: link.Launch) -> None:
                 core.set_data_plane_ready(msg.ready, msg.reason)
             elif isinstance(msg, link.RecordKvEvents):
                 core.record_kv_events(msg.on)
-            elif isinstance(msg, link.FlushCache):
-                key = msg.key  # the engine thread answers on the events socket, which is its own
-                core.flush_cache(lambda blocks, key=key: events.send(link.encode(link.CacheFlushed(key, blocks))))
+            elif isinstance(msg, link.Flush):  # answered from the engine thread, which sends the outputs too
+                core.flush_prefix_cache(lambda ok, token=msg.token: events.send(link.encode(link.Flushed(token, ok))))
             elif isinstance(msg, link.Stop):
                 orderly = True
                 break

@@ -185,6 +185,11 @@ class EngineFront(Protocol):
         """End a running request from the server side (its stream gets a final ABORT output); False
         if no request runs under that id. Event-loop thread only."""
 
+    async def flush_prefix_cache(self) -> bool:
+        """Drop every cached-but-free block from the prefix cache between engine steps (blocks running
+        requests hold stay cached); KV-event subscribers get AllBlocksCleared, then a BlockStored for
+        each block that stayed. False (nothing dropped) while the data plane is down."""
+
     def status(self) -> EngineStatus:
         """The engine's counters as of its latest iteration."""
 
@@ -203,11 +208,6 @@ class EngineFront(Protocol):
         buffer no longer holds, starts with a snapshot (AllBlocksCleared, then every cached block).
         Raises KvEventsOff (controlplane/kv_events.py) under --kv-events off. Event-loop thread only;
         closing the iterator ends the subscription. The module docstring of kv_events.py has the rest."""
-
-    async def flush_cache(self) -> int:
-        """Empty the prefix cache (blocks running requests hold stay theirs, found by no new request);
-        returns how many blocks it held; subscribers get AllBlocksCleared. Raises DataPlaneUnavailable
-        if the engine process is not there to do it."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams end with DataPlaneUnavailable "the server is shutting down");

@@ -95,6 +95,11 @@ class InProcessFront:
         self.loop.abort_stream(stream, True)
         return True
 
+    async def flush_prefix_cache(self) -> bool:
+        done = asyncio.get_running_loop().create_future()
+        self.loop.flush_prefix_cache(lambda ok: self._event_loop.call_soon_threadsafe(_settle, done, ok))
+        return await done
+
     def status(self) -> EngineStatus:
         return self.loop.status()
 
@@ -114,11 +119,6 @@ class InProcessFront:
             raise KvEventsOff()
         return self._kv.subscribe(start_sequence_number)
 
-    async def flush_cache(self) -> int:
-        done = asyncio.get_running_loop().create_future()
-        self.loop.flush_cache(lambda blocks: self._event_loop.call_soon_threadsafe(_settle, done, blocks))
-        return await done
-
     def shutdown(self, timeout: float = 10.0) -> None:
         self.loop.shutdown(timeout)
 
@@ -134,11 +134,11 @@ class InProcessFront:
             self._event_loop.call_soon_threadsafe(_fill_queues, batch)
 
 
+def _settle(future: asyncio.Future, result: object) -> None:
+    if not future.done():  # its caller may have given up
+        future.set_result(result)
+
+
 def _fill_queues(batch: list[Delivery]) -> None:
     for stream, item in batch:
         stream.queue.put_nowait(item)
-
-
-def _settle(future: asyncio.Future, value) -> None:
-    if not future.done():  # its caller may have been cancelled
-        future.set_result(value)

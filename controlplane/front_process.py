@@ -14,8 +14,8 @@ thread-safe: each has one user thread a side, except the serving side's commands
 - events, engine -> front: each step's outputs as one message, status snapshots, readiness with the
   engine's facts (for request checks and GetModelInfo).
 
-KV-cache events (controlplane/kv_events.py) take the same two sockets: RecordKvEvents / FlushCache
-down, KvEvents / CacheFlushed up; their numbering and replay buffer stay here, so that a new engine
+KV-cache events (controlplane/kv_events.py) take the same two sockets: RecordKvEvents down, KvEvents
+up; their numbering and replay buffer stay here, so that a new engine
 process continues the numbers (its first batch starts with AllBlocksCleared).
 
 `ProcessFront` is an `EngineFront`, so the server does not know which one it drives. If the
@@ -118,7 +118,7 @@ class ProcessFront:
         capacity = buffer_size(config)
         self._kv = KvEventLog(capacity, self._record_kv) if capacity else None  # event loop only
         self._kv_told: subprocess.Popen | None = None  # the engine process last told to record
-        self._flushes: dict[int, asyncio.Future] = {}  # event loop only: FlushCache.key -> its caller
+        self._flushes: dict[int, asyncio.Future] = {}  # event loop only: Flush.token -> its caller's future
 
     # ---- EngineFront -----------------------------------------------------------------------------
 
@@ -174,15 +174,6 @@ class ProcessFront:
             raise KvEventsOff()
         return self._kv.subscribe(start_sequence_number)
 
-    async def flush_cache(self) -> int:
-        key = next(self._keys)
-        self._flushes[key] = done = asyncio.get_running_loop().create_future()
-        try:
-            self._send(link.FlushCache(key))
-            return await done
-        finally:
-            self._flushes.pop(key, None)
-
     def abort(self, request_id: str) -> bool:
         """End a running request from the server side; its stream gets a final ABORT output."""
         stream = self._streams.get(request_id)
@@ -191,6 +182,17 @@ class ProcessFront:
             return False
         self._send(link.Abort(key, True))
         return True
+
+    async def flush_prefix_cache(self) -> bool:
+        token = next(self._keys)
+        done = self._flushes[token] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(link.Flush(token))
+            return await done
+        except DataPlaneUnavailable:
+            return False
+        finally:
+            del self._flushes[token]
 
     def status(self) -> EngineStatus:
         """Counters as of the engine process's latest report."""
@@ -305,14 +307,14 @@ class ProcessFront:
                     log.exception("engine stats listener failed")
         elif isinstance(event, link.KvEvents):
             self._call(self._publish_kv, event)
-        elif isinstance(event, link.CacheFlushed):
-            self._call(self._flushed, (event.key, event.blocks))
         elif isinstance(event, link.Readiness):
             if event.ready and event.facts is not None:  # down: GetModelInfo keeps answering, as in-process
                 f = event.facts
                 self._facts = EngineFacts(f.architecture, f.tensor_parallel_size, f.max_model_len, f.vocab_size,
                                           f.block_size, f.kv_capacity_tokens)
             self._set_ready(event.ready, "" if event.ready else event.reason)
+        elif isinstance(event, link.Flushed):
+            self._call(self._settle_flush, event)
         # A Beat: its arrival is the point.
 
     def _replace(self, process: subprocess.Popen, reason: str | None = None) -> None:
@@ -364,14 +366,19 @@ class ProcessFront:
                                        for x in item.prompt_logprobs]
             stream.queue.put_nowait(out)
 
+    def _settle_flush(self, event: link.Flushed) -> None:
+        done = self._flushes.get(event.token)
+        if done is not None and not done.done():
+            done.set_result(event.success)
+
     def _fail_all(self, error_and_limit: tuple[BaseException, int | None]) -> None:
-        """End the streams and flushes with keys below the limit (None: all of them) with the error."""
+        """End the streams with keys below the limit (None: all of them) with the error."""
         error, limit = error_and_limit
         for key in [k for k in self._by_key if limit is None or k < limit]:
             self._by_key.pop(key).queue.put_nowait(error)
-        for key in [k for k in self._flushes if limit is None or k < limit]:
-            if not self._flushes[key].done():
-                self._flushes[key].set_exception(error)
+        for done in self._flushes.values():  # a dead engine process answers no Flush
+            if not done.done():
+                done.set_result(False)
 
     def _record_kv(self, on: bool) -> None:
         """KvEventLog's wish to the engine process; one that is not up yet hears it at its first event."""
@@ -380,11 +387,6 @@ class ProcessFront:
 
     def _publish_kv(self, event: link.KvEvents) -> None:
         self._kv.publish(event.timestamp, event.events, event.snapshot)
-
-    def _flushed(self, key_and_blocks: tuple[int, int]) -> None:
-        done = self._flushes.get(key_and_blocks[0])
-        if done is not None and not done.done():
-            done.set_result(key_and_blocks[1])
 
 
 

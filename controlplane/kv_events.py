@@ -10,9 +10,9 @@ The API a servicer calls, on both engine fronts (controlplane/front.py:EngineFro
         holds replays from that batch on. A subscriber that falls more than the buffer behind gets a
         fresh snapshot the same way. Raises KvEventsOff (before the first batch) when the service runs
         with --kv-events off. Closing the iterator ends the subscription.
-    await front.flush_cache() -> int
-        Empties the prefix cache (blocks held by running requests stay with them, found by no later
-        request) and returns how many blocks it held; subscribers get AllBlocksCleared.
+    await front.flush_prefix_cache() -> bool
+        Drops every cached-but-free block (blocks running requests hold stay cached); subscribers get
+        AllBlocksCleared, then BlockStored for each block that stayed. False while the plane is down.
 
 Cost: the block manager records nothing while nobody subscribes (BlockManager.kv_events is None).
 The first subscriber turns recording on in the engine, which answers with a snapshot; the last one

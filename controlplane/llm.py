@@ -135,13 +135,19 @@ class LLM:
                 "logprobs": logprobs}
 
     def _queue(self, ids: list[list[int]], params: list[SamplingParams], start: int, stop: int) -> list:
-        """Check prompts [start, stop), then queue them: none of them is queued if one is bad."""
+        """Check prompts [start, stop), then queue them: none of them is queued if one is bad.
+        Their grammars compile together on the compiler's pool while the prompts are checked."""
+        compiles = {i: self.engine.grammars.submit(params[i].structured) for i in range(start, stop)
+                    if params[i].structured is not None}
         for i in range(start, stop):
             try:
                 self.engine.validate(ids[i], params[i])
+                if i in compiles:
+                    compiles[i] = compiles[i].result()
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return [self.engine.add_request(ids[i], params[i], validated=True) for i in range(start, stop)]
+        return [self.engine.add_request(ids[i], params[i], validated=True, grammar=compiles.get(i))
+                for i in range(start, stop)]
 
     def _abandon(self, seqs: list) -> None:
         """Abort the call's requests. The step still in flight is collected by the engine's next step,

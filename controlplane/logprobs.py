@@ -35,7 +35,8 @@ def take_prompt_logprobs(seqs: Rows[Sequence], result: StepResult) -> None:
     computed again after a preemption gives positions the sequence holds already: those are skipped."""
     offsets, starts = result.prompt_offsets.tolist(), result.prompt_starts.tolist()
     logprobs = result.prompt_token_logprobs.tolist()
-    ranks = result.prompt_token_ranks.tolist()
+    # A data plane that does not report prompt ranks: a token's place among the top N, else 0 (unknown).
+    ranks = result.prompt_token_ranks.tolist() if len(result.prompt_token_ranks) == len(logprobs) else None
     top_ids, top_logprobs = result.prompt_top_ids.tolist(), result.prompt_top_logprobs.tolist()
     for i, row in enumerate(result.prompt_rows.tolist()):
         seq = seqs[row]
@@ -49,8 +50,9 @@ def take_prompt_logprobs(seqs: Rows[Sequence], result: StepResult) -> None:
         n = seq.params.prompt_logprobs
         end = min(hi, lo + seq.num_prompt_tokens - start)  # never past the prompt
         for j in range(lo + len(entries) - start, end):
-            entries.append(Logprob(seq.token_ids[start + j - lo], logprobs[j], ranks[j],
-                                   _top(top_ids[j], top_logprobs[j], n)))
+            token, top = seq.token_ids[start + j - lo], _top(top_ids[j], top_logprobs[j], n)
+            rank = ranks[j] if ranks is not None else next((k + 1 for k, (t, _) in enumerate(top) if t == token), 0)
+            entries.append(Logprob(token, logprobs[j], rank, top))
 
 
 def wants_prompt_logprobs(seq: Sequence) -> bool:

@@ -25,6 +25,7 @@ prefix cache).
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from nanoplane.controlplane.wait_queue import WaitQueue
 __all__ = ["SCHEDULING_POLICIES", "QueueFull", "Scheduler", "SchedulerOutput", "WaitQueue"]
 
 SCHEDULING_POLICIES = ("prefill-first", "mixed")
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -205,8 +207,10 @@ class Scheduler:
         waiting_for_results: list[Sequence] = []
         while self.running and len(out.seqs) < max_rows:
             seq = self.running.popleft()
-            if len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
-                # Its last token is still in flight; the result will finish it.
+            if len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens or \
+                    seq.num_pending and seq.grammar is not None:
+                # Its last token is still in flight; the result will finish it. A grammar row's next
+                # mask needs its previous token: it sits out steps until that is back.
                 waiting_for_results.append(seq)
                 continue
             # Most steps need no new block: test that cheaply before asking the block manager.
@@ -261,6 +265,8 @@ class Scheduler:
         """Free seq's blocks and slot; it is recomputed from its tokens when readmitted."""
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
+        if seq.grammar is not None:
+            seq.grammar.release()  # rebuilt from its output when readmitted
         self.block_manager.deallocate(seq)
         self._release_slot(seq)
         self._queue_first(seq)
@@ -284,6 +290,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.drop_pending()
+        if seq.grammar is not None:
+            seq.grammar.release()
         self.block_manager.deallocate(seq)
         self._release_slot(seq)
         if seq in self.waiting:  # O(1); running holds at most max_num_seqs
@@ -298,6 +306,16 @@ class Scheduler:
         forks = self.forks.pop(seq, None) if len(seq.group) > 1 else None
         for fork in reversed(forks or ()):  # sample 0 ended first: its forks run as requests of their own
             self._queue_first(fork)
+
+    def _refused_by_grammar(self, seq: Sequence, token_id: int) -> bool:
+        """Advance seq's matcher; a token its mask did not allow (a data plane that ignored the mask)
+        ends it with ABORT, since no output after it can match."""
+        if seq.grammar.accept(token_id):
+            return False
+        log.warning("request %d: sampled token %d is outside its grammar (%s); aborting it",
+                    seq.seq_id, token_id, seq.grammar.error)
+        self.finish(seq, FinishReason.ABORT)
+        return True
 
     def advance(self, out: SchedulerOutput) -> None:
         """Count a step as computed the moment it is sent, so the next one can be scheduled before
@@ -324,9 +342,14 @@ class Scheduler:
             if not produces:
                 continue  # a prefill chunk that stopped before the last prompt token
             produced.append((seq, token_id))
+            if seq.grammar is not None and self._refused_by_grammar(seq, token_id):
+                continue
             if (token_id in self.eos_token_ids or token_id in seq.stop_ids) and self._stop_token(seq, token_id):
                 continue
-            if seq.num_completion_tokens >= seq.params.max_tokens:
+            if seq.grammar is not None and seq.grammar.is_stopped:
+                # Complete: the grammar allows only end-of-sequence now, so it ends as if sampled (not added).
+                self.finish(seq, FinishReason.EOS)
+            elif seq.num_completion_tokens >= seq.params.max_tokens:
                 self.finish(seq, FinishReason.LENGTH)
         return produced
 

@@ -22,7 +22,7 @@ from nanoplane.proto.kv_events import KvEvent
 MAGIC = b"NE"
 # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
 # (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason);
-# 5: KV-cache events (RecordKvEvents, KvEvents) and FlushCache / CacheFlushed
+# 5: Flush / Flushed (drop the prefix cache), RecordKvEvents / KvEvents (KV-cache events)
 VERSION = 5
 _HEADER = MAGIC + bytes([VERSION])
 
@@ -94,13 +94,13 @@ class RecordKvEvents(msgspec.Struct, frozen=True, tag=True, array_like=True):
     on: bool
 
 
-class FlushCache(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Empty the prefix cache; answered by CacheFlushed with the same key."""
+class Flush(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Drop the prefix cache between steps; answered by Flushed with the same token."""
 
-    key: int  # the serving process's number for the call
+    token: int  # the serving process's number for this flush
 
 
-Command = Add | Abort | SetReady | Stop | RecordKvEvents | FlushCache
+Command = Add | Abort | SetReady | Stop | Flush | RecordKvEvents
 
 
 # ---- events: engine process -> serving process -----------------------------------------------------
@@ -212,14 +212,14 @@ class KvEvents(msgspec.Struct, frozen=True, tag=True, array_like=True):
     snapshot: bool  # the answer to RecordKvEvents(on): AllBlocksCleared, then every cached block
 
 
-class CacheFlushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """FlushCache is done."""
+class Flushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The answer to Flush: whether the prefix cache was dropped (not while a request holds blocks)."""
 
-    key: int  # FlushCache.key
-    blocks: int  # blocks the prefix cache held
+    token: int  # Flush.token
+    success: bool
 
 
-Event = Outputs | Beat | Status | Stats | Readiness | KvEvents | CacheFlushed
+Event = Outputs | Beat | Status | Stats | Readiness | Flushed | KvEvents
 
 # ---- the engine process's start: its command line -------------------------------------------------
 

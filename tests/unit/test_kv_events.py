@@ -96,11 +96,13 @@ def test_evicting_a_cached_block_removes_it_and_flush_clears_all():
                                                    signed64(chain_hash(list(range(16, 32)),
                                                                        chain_hash(list(range(16)), -1)))}
     assert isinstance(events[1], BlockStored)
-    # Flush: all cleared; the request keeps its blocks, but no later request finds them.
-    assert bm.flush() == 3
-    assert drain(bm) == [AllBlocksCleared()]
-    assert bm.num_used_blocks == 4 and bm.blocks[held.block_table[0]].ref_count == 1
+    # Flush while a request runs: it keeps its blocks, still cached (re-announced after the clear).
+    assert bm.flush() == 0
+    events = drain(bm)
+    assert events[0] == AllBlocksCleared() and sum(len(e.block_hashes) for e in events[1:]) == 3
+    assert bm.num_used_blocks == 4 and len(bm._cached_prefix(Sequence([500 + i for i in range(49)], PARAMS, BS))) == 3
     bm.deallocate(held)
+    assert bm.flush() == 3 and drain(bm) == [AllBlocksCleared()]  # free now: all of them go
     assert bm.can_allocate(Sequence([500 + i for i in range(49)], PARAMS, BS)) == 0
     assert bm.num_free_blocks == 4
 
@@ -269,6 +271,4 @@ def test_the_link_carries_kv_events():
     batch = link.KvEvents(1.5, [BlockStored([-3, 4], None, list(range(32)), 16), BlockRemoved([7]),
                                 AllBlocksCleared()], True)
     assert link.decode_event(link.encode(batch)) == batch
-    for command in (link.RecordKvEvents(True), link.FlushCache(3)):
-        assert link.decode_command(link.encode(command)) == command
-    assert link.decode_event(link.encode(link.CacheFlushed(3, 12))) == link.CacheFlushed(3, 12)
+    assert link.decode_command(link.encode(link.RecordKvEvents(True))) == link.RecordKvEvents(True)
