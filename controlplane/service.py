@@ -26,6 +26,7 @@ from nanoplane.controlplane.engine import DataPlaneClient, Engine
 from nanoplane.controlplane.front_inproc import InProcessFront
 from nanoplane.controlplane.front_process import ProcessFront, engine_process_enabled
 from nanoplane.controlplane.grpc_server import GenerationServer
+from nanoplane.controlplane.kv_events import buffer_size
 from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.supervisor import DataPlaneSupervisor
@@ -61,8 +62,9 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
 
     engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
     name = model_name or Path(config.model).name
-    return GenerationServer(InProcessFront(engine, recover or attach, recover_interval_s), tokenizer, name, address,
-                            security=security, metrics=metrics, services=[vllm_service(config, name)])
+    front = InProcessFront(engine, recover or attach, recover_interval_s, buffer_size(config))
+    return GenerationServer(front, tokenizer, name, address, security=security, metrics=metrics,
+                            services=[vllm_service(config, name)])
 
 
 def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",

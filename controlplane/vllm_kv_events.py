@@ -1,6 +1,6 @@
-"""KV-cache events (controlplane/kv_event_source.py) as vllm.grpc.engine's SubscribeKvEvents sends
-them: smg.grpc.common.KvEventBatch, block hashes as the signed 64-bit integers the proto holds, each
-batch stamped with the engine's load record and load-only heartbeats between (`relay`)."""
+"""KV-cache events (proto/kv_events.py, from EngineFront.kv_events) as vllm.grpc.engine's SubscribeKvEvents
+sends them: smg.grpc.common.KvEventBatch (block hashes are already the signed 64-bit integers it holds),
+each batch stamped with the engine's load record and load-only heartbeats between (`relay`)."""
 
 from __future__ import annotations
 
@@ -12,30 +12,25 @@ from collections.abc import AsyncIterator, Callable
 
 from smg_grpc_proto.generated import common_pb2
 
-from nanoplane.controlplane.kv_event_source import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
+from nanoplane.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch
 
 LOCAL = common_pb2.KV_CACHE_LOCALITY_LOCAL
 DEVICE = common_pb2.KV_CACHE_TIER_DEVICE
 HEARTBEAT_S = 1.0  # a load-only batch after this long without a batch, as SMG's relay sends them
 
 
-def signed64(h: int) -> int:
-    """An unsigned 64-bit hash (xxh64's intdigest) as the int64 with the same bits."""
-    return h - (1 << 64) if h >= 1 << 63 else h
-
-
 def event_to_proto(event: KvEvent, event_id: int) -> common_pb2.KvCacheEvent:
     if isinstance(event, BlockStored):
         size = event.block_size
-        blocks = [common_pb2.KvBlock(block_hash=signed64(h), token_ids=event.token_ids[i * size:(i + 1) * size],
+        blocks = [common_pb2.KvBlock(block_hash=h, token_ids=event.token_ids[i * size:(i + 1) * size],
                                      block_size=size) for i, h in enumerate(event.block_hashes)]
         stored = common_pb2.KvBlocksStored(blocks=blocks, tier=DEVICE, medium="GPU", locality=LOCAL)
         if event.parent_block_hash is not None:
-            stored.parent_block_hash = signed64(event.parent_block_hash)
+            stored.parent_block_hash = event.parent_block_hash
         return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
     if isinstance(event, BlockRemoved):
         return common_pb2.KvCacheEvent(event_id=event_id, removed=common_pb2.KvBlocksRemoved(
-            block_hashes=[signed64(h) for h in event.block_hashes], tier=DEVICE, medium="GPU", locality=LOCAL))
+            block_hashes=event.block_hashes, tier=DEVICE, medium="GPU", locality=LOCAL))
     if isinstance(event, AllBlocksCleared):
         return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
     raise TypeError(f"not a KV-cache event: {event!r}")

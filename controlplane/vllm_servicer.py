@@ -32,7 +32,7 @@ from nanoplane.controlplane.errors import DataPlaneUnavailable
 from nanoplane.controlplane.front import EngineFront, EngineStats
 from nanoplane.controlplane.grpc_sampling import SampleStreams, check_structured
 from nanoplane.controlplane.grpc_server import MAX_REQUEST_ID_CHARS, AddService, GenerationServicer
-from nanoplane.controlplane.kv_event_source import KvEventSource, StubKvEventSource
+from nanoplane.controlplane.kv_events import KvEventsOff
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS
 from nanoplane.controlplane.vllm_kv_events import relay
 from nanoplane.controlplane.vllm_requests import (
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 SERVER_TYPE = "vllm-grpc"  # what vLLM's servicer reports; SMG picks its vLLM code paths by it
-FLUSH_RETRY_S = 0.05  # FlushCache with a timeout: how often to try again while requests hold blocks
+FLUSH_RETRY_S = 0.05  # FlushCache with a timeout: how often to try again while the data plane is down
 VERSION = importlib.metadata.version("nanoplane")
 
 
@@ -67,12 +67,10 @@ class ServedModel:
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    def __init__(self, front: EngineFront, nano: GenerationServicer, model: ServedModel,
-                 kv_events: KvEventSource | None = None):
+    def __init__(self, front: EngineFront, nano: GenerationServicer, model: ServedModel):
         """`nano`: the nanoplane.v1 servicer of the same server, whose prompt checks and tokenizer this shares."""
         self.front, self.nano, self.model = front, nano, model
         self.tokenizer = nano.tokenizer
-        self.kv_events = kv_events or default_kv_event_source()
         self.archive = tokenizer_archive.TokenizerArchive(model.model_dir)
         hf = model.hf_config
         self._hf = {k: hf.get(k) for k in ("model_type", "architectures", "pad_token_id", "bos_token_id",
@@ -148,7 +146,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return vpb.AbortResponse()
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest, context) -> common_pb2.FlushCacheResponse:
-        """Drop the prefix cache; refused while requests hold blocks, waiting up to timeout_s for them to end."""
+        """Drop every cached-but-free prefix block (those running requests hold stay cached); while the data
+        plane is down, try again for up to timeout_s."""
         timeout_s = request.timeout_s
         if not math.isfinite(timeout_s) or timeout_s < 0:
             raise ValueError(f"timeout_s={timeout_s}: must be a finite number >= 0")
@@ -156,8 +155,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         while not await self.front.flush_prefix_cache():
             if time.monotonic() >= deadline:
                 return common_pb2.FlushCacheResponse(
-                    success=False, message="KV prefix cache reset refused; requests may be in flight"
-                    if self.front.data_plane_ready else "the data plane is not available")
+                    success=False, message="the data plane is not available; the prefix cache was not flushed")
             await asyncio.sleep(FLUSH_RETRY_S)
         return common_pb2.FlushCacheResponse(success=True, message="Local KV prefix cache flushed successfully")
 
@@ -225,8 +223,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context) -> AsyncIterator[common_pb2.KvEventBatch]:
+        try:
+            batches = self.front.kv_events(request.start_sequence_number)
+        except KvEventsOff as exc:  # vLLM's servicer answers UNIMPLEMENTED when its events are off
+            raise NotImplementedError(str(exc)) from None
         await context.send_initial_metadata(())  # SMG counts a subscription unanswered for 2 s as a dead worker
-        batches = self.kv_events.subscribe(request.start_sequence_number)
         messages = relay(batches, self._load_record, request.load_records_before_first_batch)
         async with contextlib.aclosing(batches), contextlib.aclosing(messages):
             async for message in messages:
@@ -242,11 +243,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             num_used_tokens=load.num_used_tokens, max_total_num_tokens=load.max_total_num_tokens)
 
 
-def default_kv_event_source() -> KvEventSource:
-    """The KV-event source of this build: a stub (no events) until the block manager publishes them."""
-    return StubKvEventSource()
-
-
 def _int(value: object) -> int:
     """A config's token id: an int, or a list's first; 0 when absent, as vLLM's config view reads it."""
     if isinstance(value, list):
@@ -254,13 +250,12 @@ def _int(value: object) -> int:
     return value if isinstance(value, int) else 0
 
 
-def vllm_service(config: EngineConfig, name: str, kv_events: KvEventSource | None = None) -> AddService:
-    """GenerationServer's hook that serves VllmEngine beside nanoplane.v1 (`services=[...]`).
-    `kv_events`: what SubscribeKvEvents relays; None: StubKvEventSource (no events)."""
+def vllm_service(config: EngineConfig, name: str) -> AddService:
+    """GenerationServer's hook that serves VllmEngine beside nanoplane.v1 (`services=[...]`)."""
     model = ServedModel(Path(config.model), name, config.max_num_seqs, config.dtype, config.device)
 
     def add(server: grpc.aio.Server, nano: GenerationServicer) -> str:
-        servicer = VllmEngineServicer(nano.front, nano, model, kv_events)
+        servicer = VllmEngineServicer(nano.front, nano, model)
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
         return SERVICE
     return add

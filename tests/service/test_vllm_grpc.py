@@ -4,6 +4,7 @@ SMG in front of `nanoplane serve` on the default model: tests/service/test_smg_g
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import threading
@@ -21,9 +22,7 @@ from support.tiny_models import make_tiny_model
 
 from nanoplane.clients import Client
 from nanoplane.controlplane.grpc_server import SERVICE
-from nanoplane.controlplane.kv_event_source import StubKvEventSource
 from nanoplane.controlplane.vllm_servicer import SERVICE as VLLM_SERVICE
-from nanoplane.controlplane.vllm_servicer import default_kv_event_source
 from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
 
 
@@ -120,19 +119,24 @@ def test_repeated_prompt_reports_cached_tokens_and_flush_drops_them(vllm, client
     assert after.cached_tokens == 0
 
 
-def test_flush_is_refused_while_a_request_holds_blocks(vllm, client, server):
-    ids = client.tokenize(PROMPTS[2])
-    request = vpb.GenerateRequest(request_id="hold", sampling_params=sampling(max_tokens=MAX_LEN - 40, ignore_eos=True),
+def test_flush_keeps_what_a_running_request_holds(vllm, client, server):
+    ids = client.tokenize(PROMPTS[2] * 12)[:40]
+    assert len(ids) == 40
+    request = vpb.GenerateRequest(request_id="hold", sampling_params=sampling(max_tokens=MAX_LEN - 60, ignore_eos=True),
                                   stream=True, tokenized=vpb.TokenizedInput(input_ids=ids))
     stream = vllm.Generate(request, timeout=60)
-    next(stream)  # running now
-    refused = vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0))
-    assert not refused.success and "in flight" in refused.message
+    next(stream)  # running now, its two full prompt blocks cached
+    flushed = vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=0))
+    assert flushed.success, flushed.message
+    (again,) = completes(generate(vllm, ids, max_tokens=2))  # the held blocks are still found
+    assert again.cached_tokens >= 32
     vllm.Abort(vpb.AbortRequest(request_ids=["hold"]))
     rest = list(stream)
     assert rest[-1].complete.finish_reason == "abort"
     wait_idle(client)
     assert vllm.FlushCache(common_pb2.FlushCacheRequest(timeout_s=5)).success
+    (after,) = completes(generate(vllm, ids, max_tokens=2))
+    assert after.cached_tokens == 0
 
 
 def test_abort_ends_the_stream_and_frees_blocks(vllm, client):
@@ -286,11 +290,14 @@ def test_tokenizer_zip_and_its_digest(vllm, model):
 
 
 def test_kv_events_stream_stored_blocks(vllm, client):
-    if isinstance(default_kv_event_source(), StubKvEventSource):
-        pytest.skip("no KV-event source in this build: SubscribeKvEvents answers from a stub that publishes nothing")
     got: list[common_pb2.KvEventBatch] = []
     call = vllm.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0), timeout=30)
-    reader = threading.Thread(target=lambda: [got.append(b) for b in call], daemon=True)
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):  # CANCELLED, by the call.cancel() below
+            got.extend(call)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     time.sleep(0.3)
     generate(vllm, client.tokenize(PROMPTS[0] * 8)[:40], max_tokens=2)
@@ -301,6 +308,7 @@ def test_kv_events_stream_stored_blocks(vllm, client):
     call.cancel()
     stored = [e.stored for b in got for e in b.events if e.HasField("stored")]
     assert all(len(block.token_ids) == 16 and block.block_size == 16 for s in stored for block in s.blocks)
+    assert got[0].sequence_number == 1 and got[0].events[0].HasField("cleared")  # the snapshot comes first
 
 
 def test_nanoplane_v1_still_answers_beside(client):
