@@ -34,7 +34,7 @@ from nanoplane.controlplane.grpc_sampling import SampleStreams, check_structured
 from nanoplane.controlplane.grpc_server import MAX_REQUEST_ID_CHARS, AddService, GenerationServicer
 from nanoplane.controlplane.kv_events import KvEventsOff
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS
-from nanoplane.controlplane.vllm_kv_events import batch_to_proto
+from nanoplane.controlplane.vllm_kv_events import relay
 from nanoplane.controlplane.vllm_requests import (
     VllmResponses,
     refuse_unsupported,
@@ -198,6 +198,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetLoads(self, request: vpb.GetLoadsRequest, context) -> vpb.GetLoadsResponse:
         if request.HasField("dp_rank") and request.dp_rank != 0:
             raise ValueError(f"dp_rank={request.dp_rank}: this engine has one data-parallel rank, 0")
+        return vpb.GetLoadsResponse(timestamp=datetime.now(UTC).isoformat(), version=VERSION,
+                                    dp_rank_count=1, loads=[self._scheduler_load()])
+
+    def _scheduler_load(self) -> vpb.SchedulerLoad:
         s = self.front.status()
         facts = self.front.facts
         usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
@@ -208,8 +212,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if facts is not None:
             load.num_used_tokens = s.kv_blocks_used * facts.block_size
             load.max_total_num_tokens = facts.kv_capacity_tokens
-        return vpb.GetLoadsResponse(timestamp=datetime.now(UTC).isoformat(), version=VERSION,
-                                    dp_rank_count=1, loads=[load])
+        return load
 
     async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
                            context) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
@@ -221,12 +224,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context) -> AsyncIterator[common_pb2.KvEventBatch]:
         try:
-            subscription = self.front.kv_events(request.start_sequence_number)
-        except KvEventsOff as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        async with contextlib.aclosing(subscription) as batches:
-            async for batch in batches:
-                yield batch_to_proto(batch)
+            batches = self.front.kv_events(request.start_sequence_number)
+        except KvEventsOff as exc:  # vLLM's servicer answers UNIMPLEMENTED when its events are off
+            raise NotImplementedError(str(exc)) from None
+        await context.send_initial_metadata(())  # SMG counts a subscription unanswered for 2 s as a dead worker
+        messages = relay(batches, self._load_record, request.load_records_before_first_batch)
+        async with contextlib.aclosing(batches), contextlib.aclosing(messages):
+            async for message in messages:
+                yield message
+
+    def _load_record(self) -> common_pb2.EngineLoad:
+        """GetLoads' figures as the record a KV-event batch carries."""
+        load = self._scheduler_load()
+        return common_pb2.EngineLoad(
+            running_requests=load.num_running_reqs, waiting_requests=load.num_waiting_reqs,
+            token_usage=load.token_usage, active_token_usage=load.token_usage,
+            max_running_requests=load.max_running_requests, cache_hit_rate=load.cache_hit_rate,
+            num_used_tokens=load.num_used_tokens, max_total_num_tokens=load.max_total_num_tokens)
 
 
 def _int(value: object) -> int:
