@@ -52,8 +52,11 @@ def to_events(records: list[tuple], block_size: int) -> list[KvEvent]:
         kind = record[0]
         if kind is STORED:
             _, parent, hashes, token_lists = record
+            flat: list[int] = []
+            for tokens in token_lists:  # list.extend runs in C; a comprehension per id does not
+                flat += tokens
             events.append(BlockStored([signed64(h) for h in hashes], None if parent == NO_HASH else signed64(parent),
-                                      [t for tokens in token_lists for t in tokens], block_size))
+                                      flat, block_size))
         elif kind is CLEARED:
             events.append(AllBlocksCleared())
         elif events and type(events[-1]) is BlockRemoved:
