@@ -6,7 +6,8 @@ The API a servicer calls, on both engine fronts (controlplane/front.py:EngineFro
         Batches numbered 1, 2, 3, ... (one per engine step that changed the prefix cache). With 0, or
         with a number the replay buffer no longer holds (older than its oldest batch, or newer than
         the next), the first batch yielded is a snapshot: it starts with AllBlocksCleared and then
-        stores every cached block, parents first; batches follow it without a gap. A number the buffer
+        stores every cached block, parents first (a large cache's over consecutive batches of at most
+        about CHUNK_TOKENS tokens); batches follow it without a gap. A number the buffer
         holds replays from that batch on. A subscriber that falls more than the buffer behind gets a
         fresh snapshot the same way. Raises KvEventsOff (before the first batch) when the service runs
         with --kv-events off. Closing the iterator ends the subscription.
@@ -66,7 +67,10 @@ def to_events(records: list[tuple], block_size: int) -> list[KvEvent]:
     return events
 
 
-Publish = Callable[[float, list[KvEvent], bool], None]  # (timestamp, events, whether a snapshot)
+Publish = Callable[[float, list[KvEvent], bool], None]  # (timestamp, events, whether a snapshot starts)
+# A batch holds at most about this many stored tokens (a few hundred KB encoded): a snapshot of a large
+# cache goes out as consecutive batches, each under gRPC's default 4 MB message limit.
+CHUNK_TOKENS = 65536
 
 
 class KvEventTap:
@@ -103,12 +107,19 @@ class KvEventTap:
             manager.kv_events = None
 
     def drain(self, snapshot: bool = False) -> None:
-        """Publish what the block manager recorded since the last drain, if anything."""
+        """Publish what the block manager recorded since the last drain, if anything, in batches of at
+        most about CHUNK_TOKENS stored tokens (`snapshot`: the first one starts a snapshot)."""
         manager = self._manager
         if manager is None or not manager.kv_events:
             return
         records, manager.kv_events = manager.kv_events, []
-        self._publish(time.time(), to_events(records, manager.block_size), snapshot)
+        size, start, tokens = manager.block_size, 0, 0
+        for i, record in enumerate(records):
+            if record[0] is STORED:
+                tokens += len(record[2]) * size
+            if tokens >= CHUNK_TOKENS or i == len(records) - 1:
+                self._publish(time.time(), to_events(records[start:i + 1], size), snapshot)
+                start, tokens, snapshot = i + 1, 0, False
 
 
 class KvEventLog:

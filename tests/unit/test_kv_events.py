@@ -8,6 +8,7 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoplane.controlplane import kv_events
 from nanoplane.controlplane.block_manager import BlockManager, chain_hash
 from nanoplane.controlplane.kv_events import KvEventLog, KvEventTap, to_events
 from nanoplane.controlplane.sampling_params import SamplingParams
@@ -191,6 +192,22 @@ def test_the_tap_starts_with_a_snapshot_and_clears_for_a_new_manager():
     assert tap.recording is False
     tap.drain()
     assert len(published) == 3
+
+
+def test_a_large_snapshot_goes_out_in_chunks(monkeypatch):
+    monkeypatch.setattr(kv_events, "CHUNK_TOKENS", 3 * BS)
+    published: list[tuple[list, bool]] = []
+    tap = KvEventTap(lambda ts, events, snapshot: published.append((events, snapshot)))
+    bm = BlockManager(32, BS)
+    computed(bm, list(range(8 * BS + 1)))  # eight cached blocks
+    tap.follow(bm)
+    tap.record(True)
+    assert [snapshot for _, snapshot in published] == [True, False, False]  # 3 + 3 + 2 blocks
+    assert published[0][0][0] == AllBlocksCleared()
+    mirror = Mirror()
+    for events, _ in published:
+        mirror.apply(events)
+    mirror.check(bm)
 
 
 class FakeEngine:
