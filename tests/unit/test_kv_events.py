@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoplane.controlplane import kv_events
 from nanoplane.controlplane.block_manager import BlockManager, chain_hash
-from nanoplane.controlplane.kv_events import KvEventLog, KvEventTap, to_events
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.kv_events import KvEventLog, KvEventTap, buffer_size, to_events
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import Sequence
 from nanoplane.proto import engine_link as link
@@ -289,3 +291,13 @@ def test_the_link_carries_kv_events():
                                 AllBlocksCleared()], True)
     assert link.decode_event(link.encode(batch)) == batch
     assert link.decode_command(link.encode(link.RecordKvEvents(True))) == link.RecordKvEvents(True)
+
+
+def test_bad_settings_are_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="kv_events_buffer must be >= 1"):
+        EngineConfig(str(tmp_path), kv_events_buffer=0)
+    with pytest.raises(ValueError, match="kv_events must be 'on' or 'off', got 'yes'"):
+        EngineConfig(str(tmp_path), kv_events="yes")
+    assert buffer_size(EngineConfig(str(tmp_path), kv_events="off")) == 0
+    assert buffer_size(EngineConfig(str(tmp_path), kv_events_buffer=7)) == 7
