@@ -10,6 +10,7 @@ Prints output tokens/s beside the card's floor (docs/design.md: ~36,400 tok/s on
     python -m benchmarks.throughput --mode service   # nanoplane serve + one gRPC client process, 256 streams
     python -m benchmarks.throughput --shape 8b --tensor-parallel-size 2   # two GPUs
     python -m benchmarks.throughput --n 4   # the first 64 prompts, 4 samples each: KV blocks at the peak
+    python -m benchmarks.throughput --json-schema   # every request under a 10-field object schema
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ SHAPES = {"0.6b": QWEN3_06B, "8b": QWEN3_8B}
 # docs/design.md: the bytes this workload must move over the H200's 4.24 TB/s; for 8B on two cards the
 # upper end of the range (the lower one charges the all-reduces too), so the ratio is not flattered.
 FLOORS = {("0.6b", 1): 36_400, ("8b", 2): 22_800}
+
+
+# --json-schema: every request's output is this object (structured output, controlplane/structured.py).
+# Strings are unbounded so that random weights, which pick near-uniformly among the allowed tokens,
+# still write outputs of a few hundred tokens; a grammar that completes ends its request early.
+JSON_SCHEMA_10 = {"type": "object", "additionalProperties": False,
+                  "required": ["name", "age", "email", "city", "score", "active", "tags", "level", "id", "note"],
+                  "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
+                                 "city": {"type": "string"}, "score": {"type": "number"},
+                                 "active": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
+                                 "level": {"enum": ["low", "mid", "high"]}, "id": {"type": "integer"},
+                                 "note": {"type": "string"}}}
 
 
 def floor_cells(shape: str, tp: int, tok_s: float) -> str:
@@ -145,6 +158,18 @@ def run_samples(llm, n: int) -> None:
           f"{s.num_preemptions} |")
 
 
+def sampling_extras(args: argparse.Namespace) -> dict:
+    """The sampling parameters --logprobs, --penalties and --json-schema add to every request (named in the report)."""
+    extra: dict = {}
+    if args.logprobs is not None:
+        extra["logprobs"] = args.logprobs
+    if args.penalties:
+        extra.update(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    if args.json_schema:
+        extra["structured"] = {"json_schema": JSON_SCHEMA_10}
+    return extra
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-dir", default="", help="default: /tmp/nanoplane-qwen3-<shape>-random")
@@ -157,7 +182,16 @@ def main() -> None:
     p.add_argument("--mode", choices=["embedded", "service"], default="embedded")
     p.add_argument("--n", type=int, default=1, help="> 1: the first 64 prompts with n samples each, and the KV "
                    "blocks they hold at the peak")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="every request asks the sampled token's logprob and the top N (embedded mode)")
+    p.add_argument("--penalties", action="store_true",
+                   help="every request has presence 0.5, frequency 0.5 and repetition 1.1 penalties (embedded mode)")
+    p.add_argument("--json-schema", action="store_true",
+                   help="every request under a 10-field JSON object schema; reports the mask work per step")
     args = p.parse_args()
+    if args.mode == "service" and (args.logprobs is not None or args.penalties or args.n > 1 or args.json_schema):
+        p.error("--logprobs, --penalties, --n and --json-schema apply to the embedded mode (the service's mask "
+                "time is the engine process's)")
     path = Path(args.model_dir or f"/tmp/nanoplane-qwen3-{args.shape}-random")
     if not (path / "model.safetensors").is_file():
         make_random_model(path, args.shape)
@@ -169,19 +203,23 @@ def main() -> None:
     llm = LLM(str(path), enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               max_model_len=4096, tensor_parallel_size=args.tensor_parallel_size)
     prompts, max_tokens = workload(args.num_seqs)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    extra = sampling_extras(args)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     warm_prompts, warm_tokens = warmup_workload(args.num_seqs)
-    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in warm_tokens],
-                 use_tqdm=False)
+    llm.generate(warm_prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra)
+                                for n in warm_tokens], use_tqdm=False)
     if args.n > 1:
         run_samples(llm, args.n)
         return llm.close()
+    engine = llm.engine
+    engine.mask_time_s, engine.num_mask_steps, engine.num_mask_rows = 0.0, 0, 0
     timings = instrument(llm) if args.profile else None
     steps = pace(llm) if llm.engine.overlap and not args.profile else None
     pauses = watch_gc()
     allocator = allocator_counts()
     t = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=True)
+    steps_before = engine.step_id
+    outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t
     report_gc(pauses)
     report_allocator(allocator)
@@ -190,7 +228,9 @@ def main() -> None:
     runner = llm.engine.data_plane.runner
     if steps is not None:
         report_pace(steps(), runner)
-    total = sum(max_tokens)
+    total = sum(len(o["token_ids"]) for o in outs)  # max_tokens each, unless a grammar completed first
+    if args.json_schema:
+        report_masks(engine, engine.step_id - steps_before, elapsed, outs)
     import resource
 
     import torch
@@ -201,7 +241,8 @@ def main() -> None:
     print("| mode | output tokens | time (s) | tok/s | floor tok/s | ratio | KV capacity (tokens) "
           "| peak GPU GiB | peak RSS GiB |")
     tok_s = total / elapsed
-    mode = f"embedded {args.shape} TP={args.tensor_parallel_size}"
+    mode = f"embedded {args.shape} TP={args.tensor_parallel_size}" + (" json-schema" if args.json_schema else "")
+    mode += "".join(f" {k}={v}" for k, v in extra.items() if k != "structured")
     if args.tensor_parallel_size > 1:  # the all-reduce rank 0 installed, which may be NCCL after a fallback
         from nanoplane.models.layers import parallel
 
@@ -209,6 +250,24 @@ def main() -> None:
     print(f"| {mode} | {total} | {elapsed:.2f} | {tok_s:,.0f} | "
           f"{floor_cells(args.shape, args.tensor_parallel_size, tok_s)} | {kv_tokens:,} | {peak_gpu:.1f} | {rss:.1f} |")
     llm.close()
+
+
+def report_masks(engine, steps: int, elapsed: float, outs: list[dict]) -> None:
+    """The control plane's structured-output work: token masks built in Engine.describe, per step."""
+    n = max(engine.num_mask_steps, 1)
+    done = sum(1 for o in outs if json_complete(o["text"]))
+    print(f"structured output: {engine.num_mask_steps} of {steps} steps had masks, "
+          f"{engine.num_mask_rows / n:.1f} rows each; mask time {engine.mask_time_s * 1e3 / n:.3f} ms per "
+          f"step ({engine.mask_time_s / elapsed:.1%} of the run); {done} of {len(outs)} outputs complete JSON "
+          "(the rest reached max_tokens)", flush=True)
+
+
+def json_complete(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 async def drive_streams(address: str, prompts: list[list[int]], max_tokens: list[int],

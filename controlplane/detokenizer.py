@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import FinishReason
 
 REPLACEMENT = "\ufffd"
 # Tokens of prompt kept as decoding context: enough for a decoder's leading-space rule and for a
@@ -212,6 +213,12 @@ class StopMatcher:
         """The end of the stream: held-back text turned out not to be a stop string."""
         out, self.held = ("" if self.stopped or self.include else self.held), ""
         return out
+
+
+def ended_by_token(finish_reason: FinishReason | None, stop_reason: int | str | None) -> bool:
+    """Whether the output's last token ended it (end-of-sequence or a stop token id): TextStream.push's
+    `ended_by_token` for the message that carries that token."""
+    return finish_reason is FinishReason.EOS or (finish_reason is FinishReason.STOP and isinstance(stop_reason, int))
 
 
 class TextStream:

@@ -149,8 +149,8 @@ class Engine:
             for i, sample in enumerate(seq.group[1:], 1):
                 sample.sample_index, sample.group, sample.queued_since = i, seq.group, None
                 sample.prompt_logprobs = None  # the prompt's are sample 0's alone
-                if grammar is not None:
-                    sample.grammar = SequenceGrammar(grammar)  # each sample walks the grammar alone
+                if grammar is not None:  # each sample follows the grammar with a matcher of its own
+                    sample.grammar = SequenceGrammar(grammar)
         self.scheduler.add(seq)
         self.seqs[seq.seq_id] = seq
         return seq

@@ -130,16 +130,12 @@ class EngineLoop:
     def add_stream(self, stream: Stream) -> None:
         """Queue a request already checked by its consumer; its outputs go to `deliver`. A grammar
         compiles on the compiler's pool first, so the engine thread never waits for one."""
-        engine = self.engine
-        if stream.params.structured is not None and engine is not None:
-            future = engine.grammars.submit(stream.params.structured)
-            if not future.done():
-                self._compiling.add(stream)
-                future.add_done_callback(lambda f: self._post(("add", stream, f)))
-                return
-            self._post(("add", stream, future))
+        structured, engine = stream.params.structured, self.engine
+        if structured is None or engine is None:
+            self._post(("add", stream))
             return
-        self._post(("add", stream))
+        self._compiling.add(stream)
+        engine.grammars.submit(structured).add_done_callback(lambda f: self._post(("add", stream, f)))
 
     def abort_stream(self, stream: Stream, notify: bool) -> None:
         """Drop the stream's request; `notify`: deliver it a final ABORT output."""
@@ -351,9 +347,10 @@ class EngineLoop:
             if seq is None:
                 if stream in self._compiling:  # its add is yet to come: drop it then
                     self._aborted_compiling.add(stream)
-                    if notify:
-                        deliveries.append((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
-                                                          len(stream.token_ids))))
+                    if notify:  # each sample's final output: the stream ends once all n have one
+                        deliveries.extend((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
+                                                          len(stream.token_ids), index=i))
+                                          for i in range(stream.params.n))
                 return
             del self._stream_of[seq.seq_id]
             unfinished = _unfinished(seq)

@@ -6,11 +6,10 @@ matcher, logprobs, finish and stop reason, usage over every sample).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from collections.abc import Sequence
 
-from nanoplane.controlplane.detokenizer import TextStream
+from nanoplane.controlplane.detokenizer import TextStream, ended_by_token
 from nanoplane.controlplane.front import Output
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
@@ -62,25 +61,6 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-async def check_structured(params: SamplingParams, tokenizer: Tokenizer) -> None:
-    """Refuse structured output where it is not built in. The grammar itself compiles on the engine's
-    GrammarCompiler pool (EngineLoop.add_stream); one that does not compile ends the stream with
-    ValueError (INVALID_ARGUMENT) before any step."""
-    if params.structured is None:
-        return
-    if importlib.util.find_spec("nanoplane.controlplane.structured") is None:
-        raise NotImplementedError("structured output is not built into this server; leave json_schema, "
-                                  "json_object, regex, choice and grammar unset")
-
-
-def text_stream(tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
-    """One sample's detokenizer and stop matcher."""
-    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
-        if not getattr(params, name):
-            raise NotImplementedError(f"{name}=false is not implemented yet; leave it unset (true)")
-    return TextStream(tokenizer, prompt_ids, params.stop)
-
-
 def logprobs_to_proto(entries: Sequence[Logprob | None]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank,
                             top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
@@ -99,7 +79,7 @@ class SampleStreams:
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams):
         self.request_id, self.params = request_id, params
-        self.samples = [_Sample(text_stream(tokenizer, prompt_ids, params)) for _ in range(params.n)]
+        self.samples = [_Sample(TextStream.for_params(tokenizer, prompt_ids, params)) for _ in range(params.n)]
         self.left = params.n  # samples whose last message is still to come
         self.first = True
 
@@ -114,7 +94,8 @@ class SampleStreams:
         sample = self.samples[out.index]
         if sample.ended:
             return None, False
-        text = sample.text.push(out.token_ids, finished=out.finished)
+        text = sample.text.push(out.token_ids, out.finished, out.finished and ended_by_token(out.finish_reason,
+                                                                                             out.stop_reason))
         stopped = sample.text.stopped
         response = pb.GenerateResponse(request_id=self.request_id, token_ids=out.token_ids, index=out.index)
         if out.logprobs:
@@ -123,10 +104,7 @@ class SampleStreams:
             response.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
         sample.completion_tokens = out.num_completion_tokens
         if stopped:
-            matched = sample.text.stop.matched
-            response.finish_reason, response.stop_string = pb.FINISH_REASON_STOP, matched
-            if self.params.include_stop_str_in_output:
-                text += matched
+            response.finish_reason, response.stop_string = pb.FINISH_REASON_STOP, sample.text.stop_reason
         elif out.finished:
             response.finish_reason = FINISH_REASONS[out.finish_reason or FinishReason.STOP]
             if isinstance(out.stop_reason, str):

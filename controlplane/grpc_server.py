@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
 from nanoplane.controlplane.front import EngineFront
-from nanoplane.controlplane.grpc_sampling import SampleStreams, check_structured, sampling_from_proto
+from nanoplane.controlplane.grpc_sampling import SampleStreams, sampling_from_proto
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS, Metrics
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.tokenizer import Tokenizer
@@ -128,7 +128,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              f"{MAX_REQUEST_ID_CHARS} are allowed")
         params = sampling_from_proto(request.sampling)
         token_ids = await self._prompt_ids(request)
-        await check_structured(params, self.tokenizer)
         request_id = request.request_id or uuid.uuid4().hex
         samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
         # aclosing: leaving this block for any reason (client gone, stop string, error) closes the

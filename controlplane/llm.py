@@ -13,9 +13,10 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.detokenizer import TextStream, ended_by_token
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.sampling_params import SamplingParams
-from nanoplane.controlplane.sequence import FinishReason, Sequence
+from nanoplane.controlplane.sequence import Logprob, Sequence
 from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.settings import ENGINE_OPTIONS, dataplane_fields
 
@@ -60,9 +61,13 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Run prompts to completion; returns [{"text", "token_ids", ...}] in input order, and for a
-        prompt with n > 1 samples "outputs": a dict per sample (text, token_ids, finish_reason,
-        logprobs); the top-level text and token_ids are sample 0's.
+        """Run prompts to completion; returns one dict per prompt, in input order: "text", "token_ids",
+        "finish_reason" ("stop", "eos", "length" or "abort"), "stop_reason" (the stop token id or stop
+        string that ended it, else None), "logprobs" (with SamplingParams.logprobs: one {token id:
+        logprob} per output token, its own token included; else None) and "prompt_logprobs" (with
+        SamplingParams.prompt_logprobs: the same per prompt token, None for the first; else None).
+        With n > 1 these are sample 0's, and "outputs" holds a dict per sample (text, token_ids,
+        finish_reason, stop_reason, logprobs), in sample order.
 
         One bad prompt raises ValueError ("prompt i: ...") and the call leaves no request behind. With
         a step kept in flight, prompts are checked and queued a step's worth ahead of the scheduler
@@ -82,7 +87,8 @@ class LLM:
         queued_tokens = steps = 0
         pbar = tqdm(total=len(ids), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
-        texts: dict[int, str] = {}
+        texts: dict[int, str] = {}  # seq_id -> its final text
+        streams: dict[int, tuple[TextStream, list[str]]] = {}  # requests with stop strings: text as it comes
         while True:
             if len(seqs) < len(ids):
                 # Steps 0..steps take at most (steps + 1) * budget prompt tokens: with more queued, the
@@ -92,47 +98,88 @@ class LLM:
                     tokens += len(ids[stop])
                     stop += 1
                 try:
-                    seqs += self._queue(ids, sampling_params, len(seqs), stop)
+                    queued = self._queue(ids, sampling_params, len(seqs), stop)
                 except ValueError:
                     self._abandon(seqs)
                     pbar.close()
                     raise
+                seqs += queued
                 queued_tokens = tokens
+                for seq in queued:
+                    if seq.params.stop:
+                        for sample in seq.group:  # each sample has its own text and its own stop
+                            streams[sample.seq_id] = (TextStream.for_params(self.tokenizer, sample.token_ids,
+                                                                            sample.params), [])
             if not self.engine.has_work():
                 break
             t = perf_counter()
             out = self.engine.step()
             dt = perf_counter() - t
             steps += 1
+            # A stop string must end its request at once (the rest of its generation is wasted work):
+            # requests with stop strings are detokenized as their tokens come.
+            stopped = self._follow_stops(out.produced, streams, texts) if streams else []
             # With a step in flight the GPU is busy now: a finished request is detokenized here rather
             # than all of them after the last step, when nothing would hide the time.
             for seq in out.finished:
-                texts[seq.seq_id] = self.tokenizer.decode(seq.completion_token_ids)
+                if seq.seq_id not in texts:
+                    texts[seq.seq_id] = self._text(seq)
             if out.is_prefill:
                 prefill_tps = out.num_tokens / dt
             elif out.num_tokens:
                 decode_tps = out.num_tokens / dt
             pbar.set_postfix(Prefill=f"{int(prefill_tps)}tok/s", Decode=f"{int(decode_tps)}tok/s")
-            pbar.update(len({s.group[0].seq_id for s in out.finished if all(x.is_finished for x in s.group)}))
+            # A request is done once all its samples are.
+            pbar.update(len({s.group[0].seq_id for s in out.finished + stopped if all(x.is_finished for x in s.group)}))
         pbar.close()
         results = []
         for seq in seqs:
-            result = {"text": self._text(seq, texts), "token_ids": seq.completion_token_ids}
+            result = self._result(seq, texts)
             if seq.params.n > 1:
-                result["outputs"] = [self._sample(s, texts) for s in seq.group]
+                result["outputs"] = [self._result(s, texts) for s in seq.group]
+                for sample in result["outputs"]:
+                    del sample["prompt_logprobs"]  # the prompt's are the request's, at the top level
             results.append(result)
         return results
 
-    def _text(self, seq: Sequence, texts: dict[int, str]) -> str:
-        return texts[seq.seq_id] if seq.seq_id in texts else self.tokenizer.decode(seq.completion_token_ids)
+    def _follow_stops(self, produced: list[tuple[Sequence, int]], streams: dict[int, tuple[TextStream, list[str]]],
+                      texts: dict[int, str]) -> list[Sequence]:
+        """Detokenize the new tokens of requests with stop strings; end each whose text reached one.
+        Returns those that ended by a stop string and had not ended otherwise."""
+        stopped = []
+        for seq, token_id in produced:
+            entry = streams.get(seq.seq_id)
+            if entry is None:
+                continue
+            stream, pieces = entry
+            pieces.append(stream.push([token_id], seq.is_finished, ended_by_token(seq.finish_reason, seq.stop_reason)))
+            if stream.stopped:
+                if not seq.is_finished:
+                    stopped.append(seq)
+                self.engine.stop_on_string(seq, stream.stop_reason)
+            if seq.is_finished:
+                texts[seq.seq_id] = "".join(pieces)
+                del streams[seq.seq_id]
+        return stopped
 
-    def _sample(self, seq: Sequence, texts: dict[int, str]) -> dict:
-        """One sample's result: its text, tokens, why it ended and its per-token logprobs (None unless asked)."""
-        reason = seq.finish_reason
-        logprobs = None if seq.logprobs is None else [{**dict(lp.top), lp.token_id: lp.logprob} for lp in seq.logprobs]
-        return {"text": self._text(seq, texts), "token_ids": seq.completion_token_ids,
-                "finish_reason": "stop" if reason is FinishReason.EOS else reason.value if reason else None,
-                "logprobs": logprobs}
+    def _text(self, seq: Sequence) -> str:
+        """A finished request's text, with its text options."""
+        p = seq.params
+        ids = seq.completion_token_ids
+        if ended_by_token(seq.finish_reason, seq.stop_reason) and not p.include_stop_str_in_output:
+            ids = ids[:-1]  # vLLM leaves the ending token's text out
+        return self.tokenizer.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
+
+    def _result(self, seq: Sequence, texts: dict[int, str]) -> dict:
+        """One sample's result: text, token_ids, finish_reason, stop_reason, logprobs, prompt_logprobs
+        (the last two None unless asked)."""
+        return {"text": texts[seq.seq_id] if seq.seq_id in texts else self._text(seq),
+                "token_ids": seq.completion_token_ids,
+                "finish_reason": None if seq.finish_reason is None else seq.finish_reason.value,
+                "stop_reason": seq.stop_reason,
+                "logprobs": None if seq.logprobs is None else [_as_dict(e) for e in seq.logprobs],
+                "prompt_logprobs": None if seq.prompt_logprobs is None else
+                [None if e is None else _as_dict(e) for e in seq.prompt_logprobs]}
 
     def _queue(self, ids: list[list[int]], params: list[SamplingParams], start: int, stop: int) -> list:
         """Check prompts [start, stop), then queue them: none of them is queued if one is bad.
@@ -154,3 +201,10 @@ class LLM:
         which skips aborted rows; requests queued before the call stay as they were."""
         for seq in seqs:
             self.engine.abort(seq.seq_id)
+
+
+def _as_dict(entry: Logprob) -> dict[int, float]:
+    """{token id: logprob} of the top alternatives, most likely first, and the position's own token."""
+    d = dict(entry.top)
+    d[entry.token_id] = entry.logprob
+    return d

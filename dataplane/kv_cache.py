@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,10 +37,11 @@ def allocate(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dt
     return cache
 
 
-def copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Blocks src[i] -> dst[i] (int64, on the cache's device) in every layer's K and V; all are
-    read before any is written."""
-    cache[:, :, dst] = cache[:, :, src]
+def copy_blocks(cache: torch.Tensor, src: np.ndarray, dst: np.ndarray, upload: Callable) -> None:
+    """Blocks src[i] -> dst[i] in every layer's K and V, all read before any is written;
+    `upload(*arrays)` (dataplane.uploader) carries the ids to the device."""
+    src_t, dst_t = upload(src.astype(np.int64), dst.astype(np.int64))
+    cache[:, :, dst_t] = cache[:, :, src_t]
 
 
 def gpu_blocks(model: nn.Module, block_size: int, dtype: torch.dtype, utilization: float) -> int:

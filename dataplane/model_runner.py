@@ -51,8 +51,7 @@ class Launched:
     host: np.ndarray | torch.Tensor | None = None  # where the sampled ids land (rank 0)
     done: torch.cuda.Event | None = None  # recorded after the copy to `host`
     error: str = ""
-    tail: TailStep | None = None  # the step's logprobs plans (rank 0), their arrays in `extras`
-    extras: HostArrays | None = None
+    tail: TailStep | None = None  # the step's logprobs plans and their arrays on the way to the host (rank 0)
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -131,6 +130,7 @@ class ModelRunner:
         self.upload = Uploader(self.device)
         self.tail = SamplingTail(self.state, self.hf_config.vocab_size, self.device, self.upload, self.rank,
                                  self.sampler.fused)
+        self.tail.warmup(self.hf_config.vocab_size, self.dtype)
         self.result_slot = 0
         # One per step a rank may hold launched (proto.plane): each step's copy has a buffer of its own.
         self.result_buffers = [torch.zeros(cfg.max_num_seqs, dtype=torch.int32).pin_memory()
@@ -219,25 +219,24 @@ class ModelRunner:
         except StepRefused as e:
             return Launched(desc.step_id, start, error=f"rank {self.rank} refused: {e}")
         self.next_step_id += 1
-        if len(desc.copy_src):
-            kv_cache.copy_blocks(self.kv_cache, *self.upload(desc.copy_src.astype(np.int64),
-                                                             desc.copy_dst.astype(np.int64)))
+        if len(desc.copy_src):  # a forked sample's own copy of a block: before the step reads it
+            kv_cache.copy_blocks(self.kv_cache, desc.copy_src, desc.copy_dst, self.upload)
         sampled, tail = self._run(desc)
         if self.rank != 0:
             return Launched(desc.step_id, start)
         n = sampled.shape[0]
-        extras = HostArrays(tail.out) if tail is not None else None
+        if tail is not None:  # its arrays leave with the sampled ids, covered by the same event
+            tail.host = HostArrays(tail.out)
         if self.device.type != "cuda":
             # A copy: the decode graphs' sampled ids live in a buffer the next step rewrites.
-            return Launched(desc.step_id, start, host=sampled.to(torch.int32, copy=True).numpy(), tail=tail,
-                            extras=extras)
+            return Launched(desc.step_id, start, host=sampled.to(torch.int32, copy=True).numpy(), tail=tail)
         # Pinned buffers in turn: the steps launched before this one may not have been read yet.
         self.result_slot = (self.result_slot + 1) % len(self.result_buffers)
         host = self.result_buffers[self.result_slot][:n]
         host.copy_(sampled.to(torch.int32), non_blocking=True)
         done = self.result_events[self.result_slot]
         done.record()
-        return Launched(desc.step_id, start, host=host, done=done, tail=tail, extras=extras)
+        return Launched(desc.step_id, start, host=host, done=done, tail=tail)
 
     def wait(self, launched: Launched) -> StepResult:
         if launched.error:
@@ -253,7 +252,7 @@ class ModelRunner:
             ids = host
         result = StepResult(launched.step_id, ids, forward_time_s=time.perf_counter() - launched.start)
         if launched.tail is not None:
-            fill_result(result, launched.tail.logprobs, launched.tail.prompt, launched.extras)
+            fill_result(result, launched.tail.logprobs, launched.tail.prompt, launched.tail.host)
         return result
 
     @torch.inference_mode()
@@ -261,6 +260,8 @@ class ModelRunner:
         st, bs = self.state, self.block_size
         slots, computed, scheduled = desc.slots.astype(np.int64), desc.num_computed, desc.num_scheduled
         num_rows = len(slots)
+        if not num_rows:  # a step of frees or block copies only
+            return torch.zeros(0, dtype=torch.int64, device=self.device), None
         row_of_token = np.repeat(np.arange(num_rows), scheduled)
         cu = np.zeros(num_rows + 1, dtype=np.int32)
         np.cumsum(scheduled, out=cu[1:])

@@ -31,6 +31,7 @@ from nanoplane.dataplane.logits_processing import (
     plan_processors,
 )
 from nanoplane.dataplane.logprobs import (
+    HostArrays,
     LogprobPlan,
     PromptPlan,
     plan_logprobs,
@@ -46,15 +47,12 @@ class TailStep:
     processors: ProcessorPlan | None
     logprobs: LogprobPlan | None
     prompt: PromptPlan | None
+    samples: bool  # the sampler's logits are involved (processors or logprobs): whole rows on rank 0
     logits: torch.Tensor | None = None  # the logits `before` processed
     raw: torch.Tensor | None = None  # the logprob rows' logits from before the processors, where they changed
     uploaded: list[torch.Tensor] = field(default_factory=list)  # the plans' index arrays on the device
     out: dict[str, torch.Tensor] = field(default_factory=dict)  # device arrays for the result (rank 0)
-
-    @property
-    def samples(self) -> bool:
-        """Whether the sampler's logits are involved (a step owing only prompt logprobs is not)."""
-        return self.processors is not None or self.logprobs is not None
+    host: HostArrays | None = None  # `out` on its way to the host
 
 
 class SamplingTail:
@@ -63,6 +61,24 @@ class SamplingTail:
         self.state, self.upload, self.rank, self.fused = state, upload, rank, fused
         # Only rank 0 samples, so only it keeps the penalties' counts.
         self.penalties = PenaltyState(state.num_slots, vocab_size, device) if rank == 0 else None
+
+    def warmup(self, vocab_size: int, dtype: torch.dtype) -> None:
+        """Compile the tail's kernels now (rank 0 on a GPU), not in the first step that needs them."""
+        if self.rank != 0 or not self.fused or self.penalties.device.type != "cuda":
+            return
+        from nanoplane import kernels
+
+        device = self.penalties.device
+        logits = torch.zeros(2, vocab_size, dtype=dtype, device=device)
+        rows = torch.arange(2, device=device)
+        kernels.apply_bitmask(logits, rows, torch.full((2, -(-vocab_size // 32)), -1, dtype=torch.int32,
+                                                       device=device))
+        pool = torch.zeros(2, vocab_size, dtype=torch.int32, device=device)
+        ones = torch.ones(2, device=device)
+        kernels.apply_penalties(logits, rows, rows, pool, pool.to(torch.uint8), ones, ones, ones)
+        for targets in (rows, rows.to(torch.int32)):  # sampled ids come as int64 (eager) or int32 (graphs)
+            kernels.logprob_stats(logits, rows, targets)
+        torch.cuda.synchronize(device)
 
     def admit(self, desc: StepDescriptor) -> None:
         """After BatchState.apply: free the ended requests' penalty rows, build the admitted ones'."""
@@ -93,11 +109,15 @@ class SamplingTail:
         if not len(desc.bitmask_rows) and not st.tail[slots].any():  # the common step: one lookup
             return None
         prompt = plan_prompt_logprobs(st, slots, computed, scheduled, cu)
-        processors = None
-        if len(desc.bitmask_rows) or (output & st.processes[slots]).any():
-            processors = plan_processors(st, self.penalties, slots, output, desc.bitmask_rows, desc.bitmask)
-        step = TailStep(processors, plan_logprobs(st, slots, output), prompt)
-        return step if step.samples or prompt is not None else None
+        processes = bool(len(desc.bitmask_rows)) or bool((output & st.processes[slots]).any())
+        samples = processes or bool((output & (st.logprobs[slots] >= 0)).any())
+        if not samples and prompt is None:
+            return None
+        if self.rank != 0:  # another rank only needs to know that rank 0 wants whole rows
+            return TailStep(None, None, prompt, samples)
+        processors = plan_processors(st, self.penalties, slots, output, desc.bitmask_rows, desc.bitmask) \
+            if processes else None
+        return TailStep(processors, plan_logprobs(st, slots, output), prompt, samples)
 
     def prompt_logprobs(self, step: TailStep, hidden: torch.Tensor, compute_logits: Callable,
                         token_buf: torch.Tensor) -> None:

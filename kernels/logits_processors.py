@@ -71,12 +71,13 @@ def _stats_kernel(logits_ptr, rows_ptr, targets_ptr, lse_ptr, target_lp_ptr, ran
         x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         x = tl.where(x == x, x, float("-inf"))  # NaN counts as impossible
         new_m = tl.maximum(m, x)
-        # Lanes still at -inf keep a zero sum (exp of -inf - -inf would be NaN).
-        s = tl.where(new_m == float("-inf"), 0.0, s * tl.exp(m - new_m) + tl.exp(x - new_m))
+        # A lane still at -inf shifts by 0 instead (-inf - -inf would be NaN): its sum stays 0.
+        shift = tl.where(new_m == float("-inf"), 0.0, new_m)
+        s = s * tl.exp(m - shift) + tl.exp(x - shift)
         m = new_m
         above += (x > t).to(tl.int32)
     top = tl.max(m, 0)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - top)), 0)
+    total = tl.sum(s * tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0)
     lse = top + tl.log(total)
     tl.store(lse_ptr + i, lse)
     tl.store(target_lp_ptr + i, t - lse)

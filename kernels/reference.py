@@ -226,29 +226,29 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def apply_bitmask_ref(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: -inf on logits[rows[i], t] unless bit t % 32 of bitmask[i, t // 32] is set."""
-    v = logits.shape[1]
-    cols = torch.arange(v, device=logits.device)
+    """In place: -inf on logits[rows[i], t] unless bit t % 32 of bitmask[i, t // 32] is set (rows distinct)."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
     words = cols // 32
     inside = words < bitmask.shape[1]
-    for i, row in enumerate(rows.tolist()):
-        bits = torch.zeros(v, dtype=torch.int64, device=logits.device)
-        bits[inside] = (bitmask[i].long()[words[inside]] >> (cols[inside] % 32)) & 1
-        logits[row] = logits[row].masked_fill(bits == 0, float("-inf"))
+    bits = torch.zeros(rows.shape[0], logits.shape[1], dtype=torch.int64, device=logits.device)
+    bits[:, inside] = (bitmask.long()[:, words[inside]] >> (cols[inside] % 32)) & 1
+    rows = rows.long()
+    logits[rows] = logits[rows].masked_fill(bits == 0, float("-inf"))
 
 
 def apply_penalties_ref(logits: torch.Tensor, rows: torch.Tensor, state_rows: torch.Tensor, counts: torch.Tensor,
                         seen: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
                         presence: torch.Tensor) -> None:
     """In place, fp32: HuggingFace's repetition penalty over prompt (seen) and output (counts > 0)
-    tokens, then OpenAI's frequency (times the count) and presence (count > 0) penalties."""
-    for i, (row, state) in enumerate(zip(rows.tolist(), state_rows.tolist(), strict=True)):
-        x = logits[row].float()
-        count = counts[state].float()
-        hit = (seen[state] != 0) | (count > 0)
-        x = torch.where(hit, torch.where(x > 0, x / repetition[i], x * repetition[i]), x)
-        x = x - frequency[i] * count - presence[i] * (count > 0).float()
-        logits[row] = x.to(logits.dtype)
+    tokens, then OpenAI's frequency (times the count) and presence (count > 0) penalties (rows distinct)."""
+    rows, state_rows = rows.long(), state_rows.long()
+    x = logits[rows].float()
+    count = counts[state_rows].float()
+    hit = (seen[state_rows] != 0) | (count > 0)
+    rep = repetition[:, None]
+    x = torch.where(hit, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - frequency[:, None] * count - presence[:, None] * (count > 0).float()
+    logits[rows] = x.to(logits.dtype)
 
 
 def logprob_stats_ref(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor

@@ -193,12 +193,12 @@ def encode_descriptor(desc: StepDescriptor) -> list:
                               desc.appended_block_ids, desc.free_slots, desc.copy_src, desc.copy_dst,
                               desc.bitmask_rows), dtype=I32)
     if not num_new:
-        return [head, columns, b"", b"", bitmask]
+        return [head, columns, b"", b"", bitmask.ravel()]
     records = np.array([_record(r) for r in desc.new_requests], NEW_REQUEST)
     data = np.concatenate([a for r in desc.new_requests for a in (
         r.token_ids, r.block_ids, r.sampling.stop_ids, r.sampling.logit_bias_ids,
         np.ascontiguousarray(r.sampling.logit_bias_values, dtype=F32).view(I32))], dtype=I32)
-    return [head, columns, records, data, bitmask]
+    return [head, columns, records, data, bitmask.ravel()]
 
 
 def _record(r: NewRequest) -> tuple:

@@ -113,9 +113,10 @@ class StepResult:
     sampled_token_ids: np.ndarray  # int32 [R]: one sampled token per row (ignored for mid-prompt chunks)
     forward_time_s: float = 0.0  # wall time the data plane spent on the step
     error: str = ""  # non-empty when the data plane refused or failed the step
-    # Logprobs of the sampled tokens, for the rows whose request asked (SamplingSpec.logprobs >= 0),
-    # from log_softmax of the raw logits (before processors and temperature). K is the largest N
-    # asked in the step; a row that asked fewer has its extra columns padded with id -1.
+    # Logprobs of the sampled tokens, for the rows whose request asked (SamplingSpec.logprobs >= 0)
+    # and whose sampled token is an output token (not a mid-prompt chunk's), from log_softmax of the
+    # raw logits (before processors and temperature). K is the largest N asked in the step; a row
+    # that asked fewer has its extra columns padded with id -1 and logprob -inf.
     logprob_rows: np.ndarray = field(default_factory=int32_column)  # int32 [L]: row indices, ascending
     sampled_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [L]
     sampled_ranks: np.ndarray = field(default_factory=int32_column)  # int32 [L]: 1 + tokens more likely
@@ -130,7 +131,7 @@ class StepResult:
     prompt_offsets: np.ndarray = field(default_factory=lambda: int32_column([0]))  # int32 [P + 1]
     prompt_token_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # float32 [T]
     prompt_token_ranks: np.ndarray = field(default_factory=int32_column)  # int32 [T]: 1 + tokens more likely
-    prompt_top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # int32 [T, K2]
+    prompt_top_ids: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))  # int32 [T, K2], padded too
     prompt_top_logprobs: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # float32 [T, K2]
 
 

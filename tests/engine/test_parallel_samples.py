@@ -143,3 +143,20 @@ def test_each_sample_carries_its_own_logprobs(llm):
         assert len(sample["logprobs"]) == len(sample["token_ids"]) == 5
         for token, entry in zip(sample["token_ids"], sample["logprobs"], strict=True):
             assert token in entry and 2 <= len(entry) <= 3 and all(lp <= 0 for lp in entry.values())
+
+
+def test_each_sample_follows_the_stop_strings_on_its_own(llm):
+    prompt = random_prompts([21], seed=12)[0]
+    params = SamplingParams(temperature=1.0, seed=8, n=3, max_tokens=12, ignore_eos=True)
+    full = [s["text"] for s in llm.generate([prompt], params, use_tqdm=False)[0]["outputs"]]
+    stop = full[1][len(full[1]) // 2:][:3]  # from the middle of sample 1's text
+    assert stop.strip()
+    stopped = SamplingParams(temperature=1.0, seed=8, n=3, max_tokens=12, ignore_eos=True, stop=[stop])
+    outs = llm.generate([prompt], stopped, use_tqdm=False)[0]["outputs"]
+    for text, out in zip(full, outs, strict=True):
+        if stop in text:
+            assert out["text"] == text[:text.index(stop)] and out["finish_reason"] == "stop"
+            assert out["stop_reason"] == stop
+        else:
+            assert out["text"] == text and out["finish_reason"] == "length"
+    assert not llm.engine.seqs and llm.engine.scheduler.block_manager.num_used_blocks == 0

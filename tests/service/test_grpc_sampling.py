@@ -51,7 +51,7 @@ def llm(model):
 
 
 def generate(stub, prompt: str = PROMPTS[2], **sampling) -> list[pb.GenerateResponse]:
-    return list(stub.Generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(**sampling))))
+    return list(stub.Generate(pb.GenerateRequest(text=prompt, sampling=pb.SamplingParams(**sampling)), timeout=60))
 
 
 def tokens(responses: list[pb.GenerateResponse], index: int = 0) -> list[int]:
@@ -188,7 +188,7 @@ def test_structured_output(stub, client, kind, value, check):
 
 def test_cancel_mid_structured_output_frees_blocks_and_grammar(server, stub, client):
     call = stub.Generate(pb.GenerateRequest(text=PROMPTS[1], sampling=pb.SamplingParams(
-        temperature=1.0, seed=3, max_tokens=200, json_object=True)))
+        temperature=1.0, seed=3, max_tokens=200, json_object=True)), timeout=60)
     assert next(call).request_id and next(call).token_ids  # running, past its first tokens
     call.cancel()
     wait_idle(client)

@@ -224,6 +224,16 @@ def test_prompt_logprobs_given_again_are_not_duplicated():
                              result(15, 16))
 
 
+def test_prompt_ranks_from_the_top_list_when_the_plane_does_not_report_them():
+    seq = Sequence([20, 21, 22], SamplingParams(prompt_logprobs=2), BLOCK)
+    result = StepResult(0, int32_column([0]), prompt_rows=int32_column([0]), prompt_starts=int32_column([1]),
+                        prompt_offsets=int32_column([0, 2]), prompt_token_logprobs=np.array([-1, -2], np.float32),
+                        prompt_top_ids=np.array([[5, 21], [6, 7]], np.int32),
+                        prompt_top_logprobs=np.array([[-0.5, -1], [-0.2, -0.3]], np.float32))
+    take_prompt_logprobs([seq], result)
+    assert [(e.token_id, e.rank) for e in seq.prompt_logprobs[1:]] == [(21, 2), (22, 0)]  # 0: not known
+
+
 def finish(model_dir, params: SamplingParams, script: dict[int, int], depth: int = 0) -> Sequence:
     """Run one 10-token prompt whose output token i is script[i] where given."""
     engine, plane = make_engine(model_dir, depth)

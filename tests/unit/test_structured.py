@@ -49,8 +49,8 @@ def walk(compiler: GrammarCompiler, structured: dict, text: str) -> SequenceGram
     return g
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "n": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
           "required": ["name", "n", "tags"], "additionalProperties": False}
 
 

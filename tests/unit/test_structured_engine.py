@@ -211,7 +211,8 @@ def test_the_engine_loop_compiles_before_the_add_and_reports_errors_to_the_strea
 
         engine_loop = EngineLoop(engine, deliver)
         engine_loop.start()
-        good = Stream("good", tok.encode("the fox"), SamplingParams(max_tokens=20, structured={"choice": ["yes", "no"]}))
+        good = Stream("good", tok.encode("the fox"),
+                      SamplingParams(max_tokens=20, structured={"choice": ["yes", "no"]}))
         bad = Stream("bad", tok.encode("the fox"), SamplingParams(structured={"grammar": "start: nothing_defined"}))
         engine_loop.add_stream(good)
         engine_loop.add_stream(bad)
@@ -225,3 +226,42 @@ def test_the_engine_loop_compiles_before_the_add_and_reports_errors_to_the_strea
     outs = asyncio.run(main())
     text = tok.decode([t for o in outs for t in o.token_ids])
     assert text in ("yes", "no") and outs[-1].finish_reason is FinishReason.EOS
+
+
+def test_a_request_aborted_while_its_grammar_compiles_never_runs(model_dir, tok):
+    from concurrent.futures import Future
+
+    engine, _ = make_engine(model_dir, tok)
+    compiled = engine.grammars.compile({"regex": "[0-9]+"})
+    pending: Future = Future()
+    engine.grammars.submit = lambda structured: pending  # a compile that takes its time
+    added = []
+    add_request = engine.add_request
+    engine.add_request = lambda *a, **kw: added.append(add_request(*a, **kw))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def deliver(batch):
+            for stream, item in batch:
+                loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+        engine_loop = EngineLoop(engine, deliver)
+        engine_loop.start()
+        stream = Stream("s", tok.encode("the fox"), SamplingParams(structured={"regex": "[0-9]+"}))
+        engine_loop.add_stream(stream)
+        engine_loop.abort_stream(stream, True)
+        outs = [o async for o in read_stream(stream)]
+        pending.set_result(compiled)
+        for _ in range(100):  # the add that follows the compile is dropped on the engine thread
+            if not engine_loop._aborted_compiling:
+                break
+            await asyncio.sleep(0.01)
+        assert not engine_loop._compiling and not engine_loop._aborted_compiling
+        engine_loop.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    assert [(o.finished, o.finish_reason, o.token_ids) for o in outs] == [(True, FinishReason.ABORT, [])]
+    assert not added and not engine.has_work()
+

@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoplane.controlplane.detokenizer import StopMatcher, TextStream
+from nanoplane.controlplane.detokenizer import StopMatcher, TextStream, ended_by_token
 from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.models.default_model import default_model_dir
 
@@ -92,6 +93,12 @@ def test_the_token_that_ended_the_output_is_text_only_with_include(tok, include)
     ids = tok.encode("Paris.")
     stream = TextStream(tok, include_stop_str_in_output=include)
     assert one_by_one(stream, ids, ended_by_token=True) == ("Paris." if include else "Paris")
+
+
+def test_ended_by_token_is_eos_or_a_stop_id():
+    assert ended_by_token(FinishReason.EOS, None) and ended_by_token(FinishReason.STOP, 7)
+    assert not ended_by_token(FinishReason.STOP, "x") and not ended_by_token(FinishReason.LENGTH, None)
+    assert not ended_by_token(FinishReason.ABORT, None) and not ended_by_token(None, None)
 
 
 def test_text_stream_for_params_takes_every_text_option(tok):
