@@ -145,6 +145,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield response
                 if samples.done:
                     return
+                if stopped:  # one sample of several: the others go on, this one ends in the engine now
+                    self.front.stop_sample(request_id, out.index, response.stop_string)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         kind = request.WhichOneof("input")
