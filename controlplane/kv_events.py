@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from nanoplane.controlplane.block_manager import CLEARED, NO_HASH, STORED, BlockManager
+from nanoplane.controlplane.config import EngineConfig
 from nanoplane.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, signed64
 
 
@@ -41,7 +42,7 @@ class KvEventsOff(RuntimeError):
                          "(NANOPLANE_KV_EVENTS=on)")
 
 
-def buffer_size(config) -> int:
+def buffer_size(config: EngineConfig) -> int:
     """Batches an EngineConfig's replay buffer holds; 0 when KV events are off."""
     return config.kv_events_buffer if config.kv_events == "on" else 0
 
