@@ -75,9 +75,11 @@ class EngineConfig:
         if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError(f"max_queued_requests and max_queued_tokens must be >= 0 (0: unbounded), got "
                              f"{self.max_queued_requests} and {self.max_queued_tokens}")
-        if self.kv_events not in ("on", "off") or self.kv_events_buffer < 1:
-            raise ValueError(f"kv_events must be 'on' or 'off' and kv_events_buffer >= 1, got {self.kv_events!r} and "
-                             f"{self.kv_events_buffer}")
+        if self.kv_events not in BY_NAME["kv_events"].choices:
+            raise ValueError(f"kv_events must be 'on' or 'off', got {self.kv_events!r}")
+        if self.kv_events_buffer < 1:
+            raise ValueError(f"kv_events_buffer must be >= 1 (KV-event batches kept for resuming subscribers), "
+                             f"got {self.kv_events_buffer}")
         policies = BY_NAME["scheduling_policy"].choices
         if self.scheduling_policy not in policies:
             raise ValueError(f"scheduling_policy must be {' or '.join(policies)}, got {self.scheduling_policy!r}")

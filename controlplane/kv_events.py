@@ -6,7 +6,8 @@ The API a servicer calls, on both engine fronts (controlplane/front.py:EngineFro
         Batches numbered 1, 2, 3, ... (one per engine step that changed the prefix cache). With 0, or
         with a number the replay buffer no longer holds (older than its oldest batch, or newer than
         the next), the first batch yielded is a snapshot: it starts with AllBlocksCleared and then
-        stores every cached block, parents first; batches follow it without a gap. A number the buffer
+        stores every cached block, parents first (a large cache's over consecutive batches of at most
+        about CHUNK_TOKENS tokens); batches follow it without a gap. A number the buffer
         holds replays from that batch on. A subscriber that falls more than the buffer behind gets a
         fresh snapshot the same way. Raises KvEventsOff (before the first batch) when the service runs
         with --kv-events off. Closing the iterator ends the subscription.
@@ -29,6 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from nanoplane.controlplane.block_manager import CLEARED, NO_HASH, STORED, BlockManager
+from nanoplane.controlplane.config import EngineConfig
 from nanoplane.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, signed64
 
 
@@ -40,7 +42,7 @@ class KvEventsOff(RuntimeError):
                          "(NANOPLANE_KV_EVENTS=on)")
 
 
-def buffer_size(config) -> int:
+def buffer_size(config: EngineConfig) -> int:
     """Batches an EngineConfig's replay buffer holds; 0 when KV events are off."""
     return config.kv_events_buffer if config.kv_events == "on" else 0
 
@@ -52,8 +54,11 @@ def to_events(records: list[tuple], block_size: int) -> list[KvEvent]:
         kind = record[0]
         if kind is STORED:
             _, parent, hashes, token_lists = record
+            flat: list[int] = []
+            for tokens in token_lists:  # list.extend runs in C; a comprehension per id does not
+                flat += tokens
             events.append(BlockStored([signed64(h) for h in hashes], None if parent == NO_HASH else signed64(parent),
-                                      [t for tokens in token_lists for t in tokens], block_size))
+                                      flat, block_size))
         elif kind is CLEARED:
             events.append(AllBlocksCleared())
         elif events and type(events[-1]) is BlockRemoved:
@@ -63,7 +68,10 @@ def to_events(records: list[tuple], block_size: int) -> list[KvEvent]:
     return events
 
 
-Publish = Callable[[float, list[KvEvent], bool], None]  # (timestamp, events, whether a snapshot)
+Publish = Callable[[float, list[KvEvent], bool], None]  # (timestamp, events, whether a snapshot starts)
+# A batch holds at most about this many stored tokens (a few hundred KB encoded): a snapshot of a large
+# cache goes out as consecutive batches, each under gRPC's default 4 MB message limit.
+CHUNK_TOKENS = 65536
 
 
 class KvEventTap:
@@ -100,12 +108,19 @@ class KvEventTap:
             manager.kv_events = None
 
     def drain(self, snapshot: bool = False) -> None:
-        """Publish what the block manager recorded since the last drain, if anything."""
+        """Publish what the block manager recorded since the last drain, if anything, in batches of at
+        most about CHUNK_TOKENS stored tokens (`snapshot`: the first one starts a snapshot)."""
         manager = self._manager
         if manager is None or not manager.kv_events:
             return
         records, manager.kv_events = manager.kv_events, []
-        self._publish(time.time(), to_events(records, manager.block_size), snapshot)
+        size, start, tokens = manager.block_size, 0, 0
+        for i, record in enumerate(records):
+            if record[0] is STORED:
+                tokens += len(record[2]) * size
+            if tokens >= CHUNK_TOKENS or i == len(records) - 1:
+                self._publish(time.time(), to_events(records[start:i + 1], size), snapshot)
+                start, tokens, snapshot = i + 1, 0, False
 
 
 class KvEventLog:

@@ -17,6 +17,9 @@ from nanoplane.proto.kv_events import AllBlocksCleared, BlockRemoved, BlockStore
 LOCAL = common_pb2.KV_CACHE_LOCALITY_LOCAL
 DEVICE = common_pb2.KV_CACHE_TIER_DEVICE
 HEARTBEAT_S = 1.0  # a load-only batch after this long without a batch, as SMG's relay sends them
+# Batches read ahead of a slow subscriber: bounded, so that one falling behind stops reading the front's
+# subscription, which then resynchronises it with a snapshot instead of this queue growing without end.
+READ_AHEAD = 64
 
 
 def event_to_proto(event: KvEvent, event_id: int) -> common_pb2.KvCacheEvent:
@@ -47,7 +50,7 @@ async def relay(batches: AsyncIterator[KvEventBatch], load: Callable[[], common_
     """The subscription's messages: each event batch with the engine's load record on it, and a
     `load_only` batch (the last sequence repeated) after HEARTBEAT_S without one, as SMG's relay
     sends them; before the first event batch only if the subscriber asked (records numbered 0)."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(READ_AHEAD)
 
     async def pump() -> None:
         try:

@@ -23,6 +23,7 @@ MAGIC = b"NE"
 # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
 # (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop
 # reason; the StopSample command); 5: Flush / Flushed (drop the prefix cache), RecordKvEvents / KvEvents
+# (KV-cache events)
 VERSION = 5
 _HEADER = MAGIC + bytes([VERSION])
 

@@ -16,7 +16,7 @@ from nanoplane.controlplane.block_manager import NO_HASH, chain_hash
 from nanoplane.controlplane.front_inproc import InProcessFront
 from nanoplane.controlplane.kv_events import KvEventsOff
 from nanoplane.proto.kv_events import AllBlocksCleared, BlockStored, KvEventBatch, signed64
-from tests.support.grpc_server import FRONTS, ServerThread, wait_idle
+from tests.support.grpc_server import FRONTS, ServerThread, rpc_error, serving, wait_health, wait_idle
 from tests.support.tiny_models import make_tiny_model
 
 
@@ -150,6 +150,30 @@ def test_a_replaced_engine_process_is_announced_as_all_cleared(server, client):
         assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
     finally:
         sub.close()
+
+
+def test_a_new_data_plane_is_announced_as_all_cleared(model):
+    """In-process: the data plane fails and a new Engine (a new, empty cache) attaches."""
+    with serving(model, flaky=True) as (s, client):
+        bs = client.model_info().kv_block_size
+        sub = Subscription(s, 0)
+        try:
+            sub.wait(lambda b: len(b) >= 1)
+            prompt = [40 + i for i in range(2 * bs + 3)]
+            usage(client, prompt)
+            sub.wait(lambda b: set(chain(prompt, bs)) <= set(sub.stored()))
+            s.plane.delay = 0.01
+            stream = client.generate(prompt, max_tokens=100, ignore_eos=True)
+            next(stream)
+            s.plane.fail = True
+            rpc_error(lambda: list(stream))
+            s.plane.fail = False  # the recover hook attaches a new Engine
+            wait_health(client, "SERVING")
+            sub.wait(lambda b: sub.stored() == {} and AllBlocksCleared() in b[-1].events)
+            assert usage(client, prompt).cached_prompt_tokens == 0  # the events said so: nothing is cached
+            sub.wait(lambda b: set(chain(prompt, bs)) <= set(sub.stored()))
+        finally:
+            sub.close()
 
 
 def test_kv_events_off_is_said_plainly():

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoplane.controlplane import kv_events
 from nanoplane.controlplane.block_manager import BlockManager, chain_hash
-from nanoplane.controlplane.kv_events import KvEventLog, KvEventTap, to_events
+from nanoplane.controlplane.config import EngineConfig
+from nanoplane.controlplane.kv_events import KvEventLog, KvEventTap, buffer_size, to_events
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import Sequence
 from nanoplane.proto import engine_link as link
@@ -193,6 +196,22 @@ def test_the_tap_starts_with_a_snapshot_and_clears_for_a_new_manager():
     assert len(published) == 3
 
 
+def test_a_large_snapshot_goes_out_in_chunks(monkeypatch):
+    monkeypatch.setattr(kv_events, "CHUNK_TOKENS", 3 * BS)
+    published: list[tuple[list, bool]] = []
+    tap = KvEventTap(lambda ts, events, snapshot: published.append((events, snapshot)))
+    bm = BlockManager(32, BS)
+    computed(bm, list(range(8 * BS + 1)))  # eight cached blocks
+    tap.follow(bm)
+    tap.record(True)
+    assert [snapshot for _, snapshot in published] == [True, False, False]  # 3 + 3 + 2 blocks
+    assert published[0][0][0] == AllBlocksCleared()
+    mirror = Mirror()
+    for events, _ in published:
+        mirror.apply(events)
+    mirror.check(bm)
+
+
 class FakeEngine:
     """Answers KvEventLog's record(True) with a snapshot batch, as the engine thread does."""
 
@@ -272,3 +291,13 @@ def test_the_link_carries_kv_events():
                                 AllBlocksCleared()], True)
     assert link.decode_event(link.encode(batch)) == batch
     assert link.decode_command(link.encode(link.RecordKvEvents(True))) == link.RecordKvEvents(True)
+
+
+def test_bad_settings_are_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="kv_events_buffer must be >= 1"):
+        EngineConfig(str(tmp_path), kv_events_buffer=0)
+    with pytest.raises(ValueError, match="kv_events must be 'on' or 'off', got 'yes'"):
+        EngineConfig(str(tmp_path), kv_events="yes")
+    assert buffer_size(EngineConfig(str(tmp_path), kv_events="off")) == 0
+    assert buffer_size(EngineConfig(str(tmp_path), kv_events_buffer=7)) == 7

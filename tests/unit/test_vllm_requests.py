@@ -99,3 +99,27 @@ def test_relay_stamps_batches_and_sends_heartbeats(monkeypatch):
     assert all(m.load.running_requests == 2 for m in got)
     samples = [m.load.sample for m in got]
     assert samples == sorted(samples) and len(set(samples)) == len(samples)
+
+
+def test_relay_reads_a_slow_subscriber_only_so_far_ahead():
+    """A subscriber that reads slowly leaves the front's subscription unread beyond READ_AHEAD batches, so
+    that subscription falls behind its replay buffer and resynchronises instead of a queue growing."""
+    from nanoplane.controlplane.vllm_kv_events import READ_AHEAD
+
+    produced = 0
+
+    async def source():
+        nonlocal produced
+        while True:
+            produced += 1
+            yield KvEventBatch(produced, 0.0, [AllBlocksCleared()])
+            await asyncio.sleep(0)
+
+    async def body() -> None:
+        messages = relay(source(), common_pb2.EngineLoad, False)
+        assert (await anext(messages)).sequence_number == 1
+        await asyncio.sleep(0.1)
+        assert produced <= READ_AHEAD + 3
+        await messages.aclose()
+
+    asyncio.run(body())
