@@ -25,6 +25,7 @@ import asyncio
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -95,13 +96,13 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles `SamplingParams.structured` for one tokenizer and vocabulary; thread-safe."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int],
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: Iterable[int],
                  cache_size: int = CACHE_SIZE, threads: int = COMPILE_THREADS):
         """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's; ids past
         the tokenizer's vocabulary are never allowed."""
         self.model_dir = str(model_dir)
         self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
