@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 from nanoplane.controlplane.detokenizer import TextStream, ended_by_token
-from nanoplane.controlplane.front import Output
+from nanoplane.controlplane.front import EngineFront, Output
+from nanoplane.controlplane.metrics import RequestMetrics
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
 from nanoplane.controlplane.tokenizer import Tokenizer
@@ -82,6 +84,26 @@ class SampleStreams:
         self.samples = [_Sample(TextStream.for_params(tokenizer, prompt_ids, params)) for _ in range(params.n)]
         self.left = params.n  # samples whose last message is still to come
         self.first = True
+
+    async def run(self, front: EngineFront, token_ids: Sequence[int], timeout_s: float | None,
+                  measure: RequestMetrics) -> AsyncIterator[tuple[Output, pb.GenerateResponse]]:
+        """Run the request on `front`: each engine output with its sample's message, until every sample
+        has ended (either protocol's servicer reshapes the message). Closing this early (client gone,
+        error) closes the engine stream, which aborts the request and frees its blocks within a step;
+        a stop string that ends one sample of several ends it in the engine while the others go on."""
+        async with aclosing(front.generate(token_ids, self.params, self.request_id, timeout_s)) as outputs:
+            async for out in outputs:
+                response, stopped = self.response(out)
+                if response is None:  # a sample a stop string ended: the engine's tokens past it are dropped
+                    continue
+                # The request's metrics end with its last sample.
+                measure.output(out if self.done or not response.finish_reason
+                               else dataclasses.replace(out, finished=False), stopped and self.done)
+                yield out, response
+                if self.done:
+                    return
+                if stopped:  # one sample of several: the others go on, this one ends in the engine now
+                    front.stop_sample(self.request_id, out.index, response.stop_string)
 
     @property
     def done(self) -> bool:
