@@ -7,6 +7,11 @@ ids and parent hash, so a 64-bit collision can never hand one request another's 
 Freed blocks keep their hash and tokens: until a block is handed out again for other content, a
 later request with the same prefix takes it back from the free list (the cache is the free list,
 evicted least recently freed first).
+
+While `kv_events` is a list (someone subscribes to KV-cache events: controlplane/kv_events.py), the
+index's changes are recorded there: (STORED, parent hash, hashes, token lists) per chain of blocks
+that joined it, (REMOVED, hash) per block evicted from it, (CLEARED,) on a flush. None: nothing
+is recorded, at the cost of one test per newly hashed or evicted block.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import xxhash
 from nanoplane.controlplane.sequence import Sequence
 
 NO_HASH = -1
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"  # kv_events records' kinds
 
 
 def chain_hash(token_ids: list[int], parent: int) -> int:
@@ -58,6 +64,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.num_cache_hits = 0  # blocks reused from the prefix cache, for tests and metrics
+        self.kv_events: list[tuple] | None = None  # the index's changes, while someone subscribes
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,6 +129,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
+            if self.kv_events is not None:
+                self.kv_events.append((REMOVED, block.hash))
         block.forget()
         block.ref_count = 1
         self.used_block_ids.add(block_id)
@@ -178,11 +187,51 @@ class BlockManager:
         parent = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else NO_HASH
         # Only blocks whose tokens are all known: a pending token's value is still in flight.
         full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        events, hashes = self.kv_events, None
         for i in range(seq.num_hashed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             tokens = seq.block(i)
             h = self._block_hash(seq, i, tokens, parent)
             block.hash, block.parent_hash, block.token_ids = h, parent, tokens
+            # Only a hash new to the index is news: a re-hashed shared block or a duplicate's is known.
+            if events is not None and h not in self.hash_to_block_id:
+                if not hashes or hashes[-1] != parent:  # not the previous block's child: a new chain
+                    hashes, token_lists = [], []
+                    events.append((STORED, parent, hashes, token_lists))
+                hashes.append(h)
+                token_lists.append(tokens)
             self.hash_to_block_id[h] = block.block_id
             parent = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def flush(self) -> int:
+        """Drop every cached-but-free block from the prefix cache (FlushCache); returns how many. Blocks
+        that running requests hold stay, cached: recorded as CLEARED, then STORED for each of them."""
+        dropped = 0
+        for block_id in self.free_block_ids:
+            block = self.blocks[block_id]
+            if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+                dropped += 1
+            block.forget()
+        if self.kv_events is not None:
+            self.kv_events.extend(self.cached_records())
+        return dropped
+
+    def cached_records(self) -> list[tuple]:
+        """A subscriber's starting state as kv_events records: CLEARED, then one STORED per indexed
+        block, parents before children."""
+        children: dict[int, list[Block]] = {}
+        roots: list[Block] = []
+        for block_id in self.hash_to_block_id.values():
+            block = self.blocks[block_id]
+            if block.parent_hash in self.hash_to_block_id:
+                children.setdefault(block.parent_hash, []).append(block)
+            else:
+                roots.append(block)
+        records: list[tuple] = [(CLEARED,)]
+        order = roots
+        while order:
+            records.extend((STORED, b.parent_hash, [b.hash], [b.token_ids]) for b in order)
+            order = [c for b in order for c in children.get(b.hash, ())]
+        return records

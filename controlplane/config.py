@@ -34,6 +34,8 @@ class EngineConfig:
     scheduling_policy: str = engine_default("scheduling_policy")
     max_queued_requests: int = engine_default("max_queued_requests")
     max_queued_tokens: int = engine_default("max_queued_tokens")
+    kv_events: str = engine_default("kv_events")
+    kv_events_buffer: int = engine_default("kv_events_buffer")
     hf_config: dict = field(default_factory=dict, repr=False)  # config.json, read once
 
     def __post_init__(self) -> None:
@@ -73,6 +75,9 @@ class EngineConfig:
         if self.max_queued_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError(f"max_queued_requests and max_queued_tokens must be >= 0 (0: unbounded), got "
                              f"{self.max_queued_requests} and {self.max_queued_tokens}")
+        if self.kv_events not in ("on", "off") or self.kv_events_buffer < 1:
+            raise ValueError(f"kv_events must be 'on' or 'off' and kv_events_buffer >= 1, got {self.kv_events!r} and "
+                             f"{self.kv_events_buffer}")
         policies = BY_NAME["scheduling_policy"].choices
         if self.scheduling_policy not in policies:
             raise ValueError(f"scheduling_policy must be {' or '.join(policies)}, got {self.scheduling_policy!r}")

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.errors import DataPlaneUnavailable, DeadlineExceeded
 from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Output, Stream
+from nanoplane.controlplane.kv_events import KvEventTap, Publish
 from nanoplane.controlplane.scheduler import QueueFull
 from nanoplane.controlplane.sequence import FinishReason
 from nanoplane.controlplane.sequence import Sequence as EngineSequence
@@ -98,6 +99,16 @@ class EngineLoop:
         self._counted: dict[str, tuple[object, int]] = {}  # counter -> (its owner, its value at the last report)
         self._compiling: set[Stream] = set()  # structured requests whose grammar compiles; their add comes after
         self._aborted_compiling: set[Stream] = set()  # engine thread only: of those, aborted before their add
+        self._kv: KvEventTap | None = None  # KV-cache events, once a publisher is set
+
+    def set_kv_publisher(self, publish: Publish) -> None:
+        """publish(timestamp, events, snapshot) runs on the engine thread for each loop iteration's
+        KV-cache events while recording (record_kv_events); set it before `start`."""
+        self._kv = KvEventTap(publish)
+
+    def record_kv_events(self, on: bool) -> None:
+        """Start recording KV-cache events with a snapshot of the cache (a fresh one if on), or stop."""
+        self._post(("kv", on))
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -129,6 +140,10 @@ class EngineLoop:
     def abort_stream(self, stream: Stream, notify: bool) -> None:
         """Drop the stream's request; `notify`: deliver it a final ABORT output."""
         self._post(("abort", stream, notify))
+
+    def flush_prefix_cache(self, done: Callable[[bool], None]) -> None:
+        """Drop the prefix cache between steps; done(whether it was dropped) runs on the engine thread."""
+        self._post(("flush", done))
 
     def fail_stream(self, stream: Stream, error: Exception) -> None:
         """End a stream that never became a request (its consumer's request was refused) with `error`."""
@@ -225,6 +240,8 @@ class EngineLoop:
                     self._try_recover()
                 if not stopping and self._ready and self.engine.has_work():
                     idle_retry = not self._step(deliveries)
+                if self._kv is not None:  # one batch of KV-cache events per iteration
+                    self._kv.drain()
                 status, self._status = self._status, self._snapshot()
                 if self._on_status is not None and status != self._status:
                     self._on_status(self._status)
@@ -341,6 +358,13 @@ class EngineLoop:
                 deliveries.extend((stream, _output(stream, s, [])) for s in unfinished)
         elif kind == "fail":
             deliveries.append((command[1], command[2]))
+        elif kind == "kv":
+            self._kv.follow(self.engine.scheduler.block_manager if self.engine is not None else None)
+            self._kv.record(command[1])
+        elif kind == "flush":  # refused while the plane is down: a new engine's cache starts empty anyway
+            if self._ready:
+                self.engine.scheduler.block_manager.flush()
+            command[1](self._ready)
         elif kind == "ready":
             _, ready, reason, hook = command
             if hook is not None:
@@ -380,6 +404,8 @@ class EngineLoop:
                  " again" if self._attached else "", len(engine.infos), engine.infos[0].device, engine.steps_in_flight)
         self.facts = EngineFacts.of(engine)
         self._collect_queue_times()
+        if self._kv is not None:
+            self._kv.follow(engine.scheduler.block_manager)
         self._ready, self._unready_reason, self._attached = True, "", True
         self._notify(True)
 

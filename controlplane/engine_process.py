@@ -120,6 +120,8 @@ def engine_main(launch: link.Launch) -> None:
     core = EngineLoop(None, deliver, attach, launch.recover_interval_s,
                       on_status=lambda status: events.send(link.encode(status_event(status))))
     core.add_stats_listener(lambda stats: events.send(link.encode(stats_event(stats))))
+    core.set_kv_publisher(lambda timestamp, kv, snapshot: events.send(link.encode(link.KvEvents(timestamp, kv,
+                                                                                               snapshot))))
     # The bare reason: ProcessFront.unavailable_message() wraps it in "the data plane is not available (...)".
     core.add_ready_listener(lambda ready: events.send(link.encode(
         readiness_event(ready, core.facts, core.unready_reason))))
@@ -166,6 +168,10 @@ def engine_main(launch: link.Launch) -> None:
                     core.abort_stream(stream, msg.notify)
             elif isinstance(msg, link.SetReady):
                 core.set_data_plane_ready(msg.ready, msg.reason)
+            elif isinstance(msg, link.RecordKvEvents):
+                core.record_kv_events(msg.on)
+            elif isinstance(msg, link.Flush):  # answered from the engine thread, which sends the outputs too
+                core.flush_prefix_cache(lambda ok, token=msg.token: events.send(link.encode(link.Flushed(token, ok))))
             elif isinstance(msg, link.Stop):
                 orderly = True
                 break

@@ -19,6 +19,7 @@ from nanoplane.controlplane.engine import Engine, validate_request
 from nanoplane.controlplane.errors import RequestIdInUse
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
+from nanoplane.proto.kv_events import KvEventBatch
 
 # A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
 # after its per-try timeout, a client reconnecting) can get here before the cancelled call's handler
@@ -184,6 +185,11 @@ class EngineFront(Protocol):
         """End a running request from the server side (its stream gets a final ABORT output); False
         if no request runs under that id. Event-loop thread only."""
 
+    async def flush_prefix_cache(self) -> bool:
+        """Drop every cached-but-free block from the prefix cache between engine steps (blocks running
+        requests hold stay cached); KV-event subscribers get AllBlocksCleared, then a BlockStored for
+        each block that stayed. False (nothing dropped) while the data plane is down."""
+
     def status(self) -> EngineStatus:
         """The engine's counters as of its latest iteration."""
 
@@ -196,6 +202,12 @@ class EngineFront(Protocol):
 
     def set_data_plane_ready(self, ready: bool, reason: str = "") -> None:
         """Readiness pushed from outside (a transport that lost or regained the plane); thread-safe."""
+
+    def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatch]:
+        """KV-cache event batches (proto/kv_events.py), numbered from 1; 0, or a number the replay
+        buffer no longer holds, starts with a snapshot (AllBlocksCleared, then every cached block).
+        Raises KvEventsOff (controlplane/kv_events.py) under --kv-events off. Event-loop thread only;
+        closing the iterator ends the subscription. The module docstring of kv_events.py has the rest."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams end with DataPlaneUnavailable "the server is shutting down");

@@ -26,16 +26,23 @@ from nanoplane.controlplane.front import (
     read_stream,
     wait_for_free_id,
 )
+from nanoplane.controlplane.kv_events import KvEventLog, KvEventsOff
 from nanoplane.controlplane.sampling_params import SamplingParams
+from nanoplane.proto.kv_events import KvEvent, KvEventBatch
 
 
 class InProcessFront:
     """EngineFront over an EngineLoop thread in this process."""
 
     def __init__(self, engine: Engine | None, recover: Callable[[Engine | None], Engine | None] | None = None,
-                 recover_interval_s: float = 1.0):
-        """`engine`, `recover`, `recover_interval_s`: see EngineLoop."""
+                 recover_interval_s: float = 1.0, kv_events_buffer: int = 0):
+        """`engine`, `recover`, `recover_interval_s`: see EngineLoop. `kv_events_buffer`: KV-event batches
+        kept for replay (kv_events.buffer_size); 0: KV events off."""
         self.loop = EngineLoop(engine, self._hand_over, recover, recover_interval_s)
+        self._kv: KvEventLog | None = None
+        if kv_events_buffer > 0:
+            self._kv = KvEventLog(kv_events_buffer, self.loop.record_kv_events)
+            self.loop.set_kv_publisher(self._publish_kv)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, Stream] = {}  # event-loop thread only: ids in use
 
@@ -88,6 +95,11 @@ class InProcessFront:
         self.loop.abort_stream(stream, True)
         return True
 
+    async def flush_prefix_cache(self) -> bool:
+        done = asyncio.get_running_loop().create_future()
+        self.loop.flush_prefix_cache(lambda ok: self._event_loop.call_soon_threadsafe(_settle, done, ok))
+        return await done
+
     def status(self) -> EngineStatus:
         return self.loop.status()
 
@@ -102,14 +114,29 @@ class InProcessFront:
         """See EngineLoop.set_data_plane_ready."""
         self.loop.set_data_plane_ready(ready, reason, on_engine_thread)
 
+    def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatch]:
+        if self._kv is None:
+            raise KvEventsOff()
+        return self._kv.subscribe(start_sequence_number)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self.loop.shutdown(timeout)
+
+    def _publish_kv(self, timestamp: float, events: list[KvEvent], snapshot: bool) -> None:
+        """On the engine thread: the batch to the event loop's log."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed
+            self._event_loop.call_soon_threadsafe(self._kv.publish, timestamp, events, snapshot)
 
     def _hand_over(self, batch: list[Delivery]) -> None:
         """On the engine thread: one wake-up of the event loop for the whole batch."""
         # RuntimeError: the event loop is closed, so nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._event_loop.call_soon_threadsafe(_fill_queues, batch)
+
+
+def _settle(future: asyncio.Future, result: object) -> None:
+    if not future.done():  # its caller may have given up
+        future.set_result(result)
 
 
 def _fill_queues(batch: list[Delivery]) -> None:

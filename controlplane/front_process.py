@@ -14,6 +14,10 @@ thread-safe: each has one user thread a side, except the serving side's commands
 - events, engine -> front: each step's outputs as one message, status snapshots, readiness with the
   engine's facts (for request checks and GetModelInfo).
 
+KV-cache events (controlplane/kv_events.py) take the same two sockets: RecordKvEvents down, KvEvents
+up; their numbering and replay buffer stay here, so that a new engine
+process continues the numbers (its first batch starts with AllBlocksCleared).
+
 `ProcessFront` is an `EngineFront`, so the server does not know which one it drives. If the
 engine process dies, every open stream ends with UNAVAILABLE, health goes NOT_SERVING, and a new
 engine process is started; if the serving process dies, the engine process notices and exits. A
@@ -53,11 +57,13 @@ from nanoplane.controlplane.front import (
     read_stream,
     wait_for_free_id,
 )
+from nanoplane.controlplane.kv_events import KvEventLog, KvEventsOff, buffer_size
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
 from nanoplane.liveness import Liveness
 from nanoplane.process import terminate
 from nanoplane.proto import engine_link as link
+from nanoplane.proto.kv_events import KvEventBatch
 from nanoplane.settings import read_tuning
 
 log = logging.getLogger(__name__)
@@ -109,6 +115,10 @@ class ProcessFront:
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
         self._liveness = Liveness()  # since the engine process's start or its latest event
+        capacity = buffer_size(config)
+        self._kv = KvEventLog(capacity, self._record_kv) if capacity else None  # event loop only
+        self._kv_told: subprocess.Popen | None = None  # the engine process last told to record
+        self._flushes: dict[int, asyncio.Future] = {}  # event loop only: Flush.token -> its caller's future
 
     # ---- EngineFront -----------------------------------------------------------------------------
 
@@ -159,6 +169,11 @@ class ProcessFront:
                 with contextlib.suppress(DataPlaneUnavailable):  # no engine: nothing left to abort
                     self._send(link.Abort(key, False))
 
+    def kv_events(self, start_sequence_number: int = 0) -> AsyncIterator[KvEventBatch]:
+        if self._kv is None:
+            raise KvEventsOff()
+        return self._kv.subscribe(start_sequence_number)
+
     def abort(self, request_id: str) -> bool:
         """End a running request from the server side; its stream gets a final ABORT output."""
         stream = self._streams.get(request_id)
@@ -167,6 +182,17 @@ class ProcessFront:
             return False
         self._send(link.Abort(key, True))
         return True
+
+    async def flush_prefix_cache(self) -> bool:
+        token = next(self._keys)
+        done = self._flushes[token] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(link.Flush(token))
+            return await done
+        except DataPlaneUnavailable:
+            return False
+        finally:
+            del self._flushes[token]
 
     def status(self) -> EngineStatus:
         """Counters as of the engine process's latest report."""
@@ -245,6 +271,10 @@ class ProcessFront:
                             "is not held against it", stall)
             if self._events in ready:
                 self._liveness.heard()
+                if self._kv is not None and self._kv_told is not process:  # a new engine process is up
+                    self._kv_told = process
+                    if self._kv.recording:
+                        self._record_kv(True)
                 try:
                     self._on_event(link.decode_event(self._events.recv()))
                 except link.LinkError as exc:  # not our engine process's words: it cannot be trusted with streams
@@ -275,12 +305,16 @@ class ProcessFront:
                     callback(stats)
                 except Exception:
                     log.exception("engine stats listener failed")
+        elif isinstance(event, link.KvEvents):
+            self._call(self._publish_kv, event)
         elif isinstance(event, link.Readiness):
             if event.ready and event.facts is not None:  # down: GetModelInfo keeps answering, as in-process
                 f = event.facts
                 self._facts = EngineFacts(f.architecture, f.tensor_parallel_size, f.max_model_len, f.vocab_size,
                                           f.block_size, f.kv_capacity_tokens)
             self._set_ready(event.ready, "" if event.ready else event.reason)
+        elif isinstance(event, link.Flushed):
+            self._call(self._settle_flush, event)
         # A Beat: its arrival is the point.
 
     def _replace(self, process: subprocess.Popen, reason: str | None = None) -> None:
@@ -293,6 +327,8 @@ class ProcessFront:
         self._set_ready(False, reason)
         # Requests from now on are refused; those up to the newest key were the dead process's.
         self._call(self._fail_all, (DataPlaneUnavailable(self.unavailable_message()), self._newest_key + 1))
+        if self._kv is not None:  # its cache went with it
+            self._call(lambda _: self._kv.publish_cleared(), None)
         if not self._stopping.wait(RESTART_INTERVAL_S):
             self._spawn()
 
@@ -330,11 +366,27 @@ class ProcessFront:
                                        for x in item.prompt_logprobs]
             stream.queue.put_nowait(out)
 
+    def _settle_flush(self, event: link.Flushed) -> None:
+        done = self._flushes.get(event.token)
+        if done is not None and not done.done():
+            done.set_result(event.success)
+
     def _fail_all(self, error_and_limit: tuple[BaseException, int | None]) -> None:
         """End the streams with keys below the limit (None: all of them) with the error."""
         error, limit = error_and_limit
         for key in [k for k in self._by_key if limit is None or k < limit]:
             self._by_key.pop(key).queue.put_nowait(error)
+        for done in self._flushes.values():  # a dead engine process answers no Flush
+            if not done.done():
+                done.set_result(False)
+
+    def _record_kv(self, on: bool) -> None:
+        """KvEventLog's wish to the engine process; one that is not up yet hears it at its first event."""
+        with contextlib.suppress(DataPlaneUnavailable):
+            self._send(link.RecordKvEvents(on))
+
+    def _publish_kv(self, event: link.KvEvents) -> None:
+        self._kv.publish(event.timestamp, event.events, event.snapshot)
 
 
 

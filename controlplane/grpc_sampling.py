@@ -5,7 +5,6 @@ matcher, logprobs, finish and stop reason, usage over every sample).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib.util
 import math
@@ -64,15 +63,14 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
 
 
 async def check_structured(params: SamplingParams, tokenizer: Tokenizer) -> None:
-    """Compile the request's grammar off the event loop (cached by its text, so the engine finds it
-    ready): a schema, pattern or grammar the compiler refuses is ValueError with its message."""
+    """Refuse structured output where it is not built in. The grammar itself compiles on the engine's
+    GrammarCompiler pool (EngineLoop.add_stream); one that does not compile ends the stream with
+    ValueError (INVALID_ARGUMENT) before any step."""
     if params.structured is None:
         return
     if importlib.util.find_spec("nanoplane.controlplane.structured") is None:
         raise NotImplementedError("structured output is not built into this server; leave json_schema, "
                                   "json_object, regex, choice and grammar unset")
-    from nanoplane.controlplane import structured
-    await asyncio.to_thread(structured.compile_grammar, params.structured, tokenizer)
 
 
 def logprobs_to_proto(entries: Sequence[Logprob | None]) -> list[pb.TokenLogprob]:

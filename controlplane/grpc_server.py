@@ -1,4 +1,5 @@
-"""The public gRPC server: nanoplane.v1.Generation, grpc.health.v1 and server reflection.
+"""The public gRPC server: nanoplane.v1.Generation, grpc.health.v1, server reflection, and any other
+protocol's servicer over the same front (`services`: vllm_servicer.py's vllm.grpc.engine.VllmEngine).
 
 Handlers raise plain exceptions (ValueError, NotImplementedError, ...); `errors.py`'s interceptor
 turns them into status codes. The engine runs behind an `EngineFront` (front.py), in this process or
@@ -11,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 import grpc
@@ -46,6 +47,8 @@ DEFAULT_SERVER_OPTIONS: list[tuple[str, object]] = [
 ]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+# Registers another protocol's servicer on the server, given this one's; returns its full service name.
+AddService = Callable[[grpc.aio.Server, "GenerationServicer"], str]
 # At shutdown, the time the streams still open after the grace get to send the engine's status.
 _CLOSING_S = 3.0
 
@@ -177,8 +180,11 @@ class GenerationServer:
 
     def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0",
                  options: list[tuple[str, object]] | None = None, security: ServerSecurity | None = None,
-                 metrics: Metrics | None = None):
-        """`metrics`: the registry to keep up to date (controlplane/metrics.py); its HTTP server is the caller's."""
+                 metrics: Metrics | None = None, services: list[AddService] = ()):
+        """`metrics`: the registry to keep up to date (controlplane/metrics.py); its HTTP server is the caller's.
+        `services`: more protocols on the same port (health and reflection list them too)."""
+        self.services = list(services)
+        self.service_names = [SERVICE]
         self.front = front
         self.security = security  # TLS, mTLS and bearer tokens (security.py); None: plaintext, open
         self.metrics = metrics
@@ -199,10 +205,11 @@ class GenerationServer:
         auth = self.security.interceptors() if self.security else []
         counting = [self.metrics.interceptor] if self.metrics is not None else []  # outermost: sees the final status
         server = grpc.aio.server(interceptors=[*counting, *auth, ExceptionToStatusInterceptor()], options=self.options)
-        pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.front, self.tokenizer, self.model_name, self.metrics), server)
+        servicer = GenerationServicer(self.front, self.tokenizer, self.model_name, self.metrics)
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        self.service_names = [SERVICE] + [add(server, servicer) for add in self.services]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        service_names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        service_names = (*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                          reflection.SERVICE_NAME)
         reflection.enable_server_reflection(service_names, server)
         credentials = self.security.credentials() if self.security else None
@@ -227,7 +234,7 @@ class GenerationServer:
 
     async def _set_health(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE):
+        for name in ("", *self.service_names):
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = 5.0) -> None:

@@ -26,10 +26,12 @@ from nanoplane.controlplane.engine import DataPlaneClient, Engine
 from nanoplane.controlplane.front_inproc import InProcessFront
 from nanoplane.controlplane.front_process import ProcessFront, engine_process_enabled
 from nanoplane.controlplane.grpc_server import GenerationServer
+from nanoplane.controlplane.kv_events import buffer_size
 from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.supervisor import DataPlaneSupervisor
 from nanoplane.controlplane.tokenizer import Tokenizer
+from nanoplane.controlplane.vllm_servicer import vllm_service
 from nanoplane.plane_keys import plane_security
 from nanoplane.process import configure_logging, freeze_startup_objects
 from nanoplane.settings import dataplane_argv, read_tuning
@@ -59,8 +61,10 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
         return Engine(config, data_plane, tokenizer.eos_token_ids, start_timeout=attach_timeout_s)
 
     engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
-    return GenerationServer(InProcessFront(engine, recover or attach, recover_interval_s), tokenizer,
-                            model_name or Path(config.model).name, address, security=security, metrics=metrics)
+    name = model_name or Path(config.model).name
+    front = InProcessFront(engine, recover or attach, recover_interval_s, buffer_size(config))
+    return GenerationServer(front, tokenizer, name, address, security=security, metrics=metrics,
+                            services=[vllm_service(config, name)])
 
 
 def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
@@ -72,8 +76,9 @@ def build_process_server(config: EngineConfig, data_plane_address: str, address:
     tokenizer = Tokenizer(config.model)
     front = ProcessFront(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s,
                          plane_keys)
-    return GenerationServer(front, tokenizer, model_name or Path(config.model).name, address, security=security,
-                            metrics=metrics)
+    name = model_name or Path(config.model).name
+    return GenerationServer(front, tokenizer, name, address, security=security, metrics=metrics,
+                            services=[vllm_service(config, name)])
 
 
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,

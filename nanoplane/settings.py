@@ -100,6 +100,10 @@ OPTIONS: tuple[Option, ...] = (
            "RESOURCE_EXHAUSTED (0: unbounded)", _SERVING, engine=True),
     Option("max_queued_tokens", int, 0, "prompt tokens of the requests waiting for a slot, in all; beyond it "
            "Generate gets RESOURCE_EXHAUSTED (0: unbounded)", _SERVING, engine=True),
+    Option("kv_events", str, "on", "KV-cache events (block stored / removed / all cleared) for SubscribeKvEvents; "
+           "recorded only while someone subscribes", _SERVING, engine=True, choices=("on", "off")),
+    Option("kv_events_buffer", int, 10000, "engine steps' KV-event batches kept for a subscriber resuming from a "
+           "sequence number", _SERVING, engine=True),
     Option("kvcache_block_size", int, 0, "tokens per KV block, a power of two >= 16 (0: 256 on GPU, 16 on CPU)",
            _RANKS, engine=True, dataplane_field="block_size", aliases=("--block-size",)),
     Option("num_kvcache_blocks", int, 0, "fix the KV cache size in blocks (0: size it from memory)",

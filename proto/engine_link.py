@@ -17,10 +17,13 @@ from typing import Any, Literal
 
 import msgspec
 
+from nanoplane.proto.kv_events import KvEvent
+
 MAGIC = b"NE"
 # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
-# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason)
-VERSION = 4
+# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason);
+# 5: Flush / Flushed (drop the prefix cache), RecordKvEvents / KvEvents (KV-cache events)
+VERSION = 5
 _HEADER = MAGIC + bytes([VERSION])
 
 
@@ -84,7 +87,20 @@ class Stop(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Stop in order: open streams end with UNAVAILABLE, the data plane is told to exit 0."""
 
 
-Command = Add | Abort | SetReady | Stop
+class RecordKvEvents(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Someone subscribes to KV-cache events: record them, starting with a snapshot (a fresh one if
+    recording already); or nobody does any more: stop."""
+
+    on: bool
+
+
+class Flush(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Drop the prefix cache between steps; answered by Flushed with the same token."""
+
+    token: int  # the serving process's number for this flush
+
+
+Command = Add | Abort | SetReady | Stop | Flush | RecordKvEvents
 
 
 # ---- events: engine process -> serving process -----------------------------------------------------
@@ -188,7 +204,22 @@ class Readiness(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reason: str  # why it is down, bare (the serving side words it for clients); empty when up
 
 
-Event = Outputs | Beat | Status | Stats | Readiness
+class KvEvents(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """One engine-loop iteration's KV-cache events, while recording (the serving process numbers them)."""
+
+    timestamp: float  # time.time() on the engine
+    events: list[KvEvent]  # proto/kv_events.py
+    snapshot: bool  # the answer to RecordKvEvents(on): AllBlocksCleared, then every cached block
+
+
+class Flushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The answer to Flush: whether the prefix cache was dropped (not while a request holds blocks)."""
+
+    token: int  # Flush.token
+    success: bool
+
+
+Event = Outputs | Beat | Status | Stats | Readiness | Flushed | KvEvents
 
 # ---- the engine process's start: its command line -------------------------------------------------
 
