@@ -27,6 +27,7 @@ from support.docker_config import (
     DOCKERFILES,
     OURS,
     ROOT,
+    dockerfile_env,
     dockerfile_instructions,
     dockerfile_one,
     effective_argv,
@@ -165,7 +166,8 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     data plane is attached, passes once one is, a client streams an answer, and stopping the control
     plane stops the data plane with exit 0 (what `restart: unless-stopped` relies on)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NANOPLANE_", "PYTHON"))}
-    image = dict(base, PYTHONPATH=_image_like_path(tmp_path))
+    # The image's own ENV too (TRANSFORMERS_NO_ADVISORY_WARNINGS, NANOPLANE_MODEL_WAIT).
+    image = dict(base, PYTHONPATH=_image_like_path(tmp_path), **dockerfile_env(DOCKERFILES["controlplane"]))
     image_python = [sys.executable, "-S", "-m", "nanoplane"]  # -S: not this environment's packages
     model = str(tiny_models["qwen3"])
 
@@ -182,6 +184,7 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=image, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, f"the control-plane image cannot run its commands:\n{out.stderr[-3000:]}"
+    assert "PyTorch was not found" not in out.stderr, "transformers' torch notice is back in the control plane's log"
 
     port, zmq_port = free_port(), free_port()
     cp_argv = effective_argv("controlplane", service("controlplane"))
@@ -223,6 +226,7 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
 
         cp_log = _stop(cp)
         assert cp.returncode == 0, f"the control plane did not stop cleanly on SIGTERM:\n{cp_log[-3000:]}"
+        assert "PyTorch was not found" not in cp_log, "the control plane's log says PyTorch was not found"
         try:
             dp_log = dp.communicate(timeout=60)[0]
         except subprocess.TimeoutExpired:
