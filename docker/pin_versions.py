@@ -1,5 +1,5 @@
-"""Write docker/constraints.txt: every distribution the images install (the gateway's smg too) besides torch (and what only torch
-pulls in), pinned to the version installed here, where the test suite ran against it.
+"""Write docker/constraints.txt: every distribution the images install (the gateway's smg too) besides
+torch (and what only torch pulls in), pinned to the version installed here, where the tests ran with it.
 
     python docker/pin_versions.py      # after upgrading the environment; commit the file it writes
 
