@@ -6,6 +6,8 @@ container's log rotates, every service has resource limits, and no two services 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import pytest
 from support.docker_config import (
@@ -115,3 +117,26 @@ def test_the_images_wait_for_a_missing_model_instead_of_looping():
         text = DOCKERFILES[name].read_text()
         assert re.search(r"NANOPLANE_MODEL_WAIT=-1\b", text), f"{name}'s image exits when no model is mounted"
     assert "NANOPLANE_MODEL_WAIT" not in environment(service("controlplane")), "compose overrides the images' wait"
+
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+def test_compose_itself_accepts_the_file_with_every_profile(tmp_path):
+    """Docker's own parser (the checks above read the YAML as compose would; this is compose)."""
+    command = _compose_command()
+    if command is None:
+        pytest.skip("neither `docker compose` nor docker-compose is installed")
+    keys = tmp_path / "keys"
+    (keys / "authorized").mkdir(parents=True)
+    for f in ("controlplane.key_secret", "controlplane.key", "dataplane.key_secret", "authorized/dataplane.key"):
+        (keys / f).write_text("")
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "NANOPLANE_PLANE_KEYS_DIR": str(keys)}
+    out = subprocess.run([*command, "-f", str(ROOT / "docker-compose.yml"), "--profile", "replicas", "config"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("controlplane", "dataplane", "smg", "controlplane-2", "dataplane-2", "smg-replicas"):
+        assert f"\n  {name}:\n" in out.stdout, f"compose's view lacks {name}"

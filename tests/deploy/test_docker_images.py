@@ -136,6 +136,11 @@ def _image_like_path(tmp: Path) -> str:
         (src / "nanoplane" / module.name).symlink_to(module)
     for package in copied - {"nanoplane"}:
         (src / "nanoplane" / package).symlink_to(ROOT / package)
+    # The image pip-installs the project, so its metadata is there (importlib.metadata.version("nanoplane")).
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    (site / f"nanoplane-{version}.dist-info").mkdir()
+    (site / f"nanoplane-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: nanoplane\nVersion: {version}\n")
     wanted = _dependency_closure([Requirement(x) for x in _requirement_lines(CP_REQUIREMENTS)])
     for dist in metadata.distributions():
         if canonicalize_name(dist.metadata["Name"]) not in wanted:
