@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from nanoplane.controlplane.engine import Engine
+from nanoplane.controlplane.engine_stats import StatsReporter
 from nanoplane.controlplane.errors import DataPlaneUnavailable, DeadlineExceeded
 from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Output, Stream
 from nanoplane.controlplane.kv_events import KvEventTap, Publish
@@ -36,23 +37,8 @@ log = logging.getLogger(__name__)
 # When a step schedules nothing although requests are queued (they wait for blocks), sleep this
 # long before trying again instead of spinning; new commands still wake the loop at once.
 IDLE_RETRY_S = 0.005
-# Stats listeners hear from an attached engine this often (idle too: the heartbeat ages move on).
-STATS_INTERVAL_S = 0.5
 
 Delivery = tuple[Stream, Output | BaseException]
-
-
-def _output(stream: Stream, seq: EngineSequence, token_ids: list[int]) -> Output:
-    out = Output(stream.request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
-                 seq.num_completion_tokens, seq.num_cached_prompt_tokens, seq.sample_index, None, None,
-                 seq.stop_reason)
-    if seq.logprobs is not None and token_ids:  # the entries of the tokens just produced (the latest known)
-        end = seq.num_completion_tokens
-        out.logprobs = seq.logprobs[end - len(token_ids):end]
-    # Once, with sample 0's first token: prefill is complete by then, so the list is whole.
-    if seq.prompt_logprobs is not None and seq.sample_index == 0 and token_ids and seq.num_completion_tokens == 1:
-        out.prompt_logprobs = seq.prompt_logprobs
-    return out
 
 
 def _unfinished(seq: EngineSequence) -> list[EngineSequence]:
@@ -93,10 +79,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._deliver, self._on_status = deliver, on_status
         self._status = self._snapshot()
-        self._stats_listeners: list[Callable[[EngineStats], None]] = []
-        self._next_stats = 0.0
-        self._step_times: list[float] | None = None  # engine thread only; None while nobody listens
-        self._counted: dict[str, tuple[object, int]] = {}  # counter -> (its owner, its value at the last report)
+        self._stats = StatsReporter()
         self._compiling: set[Stream] = set()  # structured requests whose grammar compiles; their add comes after
         self._aborted_compiling: set[Stream] = set()  # engine thread only: of those, aborted before their add
         self._kv: KvEventTap | None = None  # KV-cache events, once a publisher is set
@@ -145,6 +128,11 @@ class EngineLoop:
         """Drop the prefix cache between steps; done(whether it was dropped) runs on the engine thread."""
         self._post(("flush", done))
 
+    def stop_sample(self, stream: Stream, index: int, stop: str) -> None:
+        """A stop string ended sample `index` of the stream's request on its consumer's side: end it
+        (STOP, blocks freed at once) while the other samples go on."""
+        self._post(("stop", stream, index, stop))
+
     def fail_stream(self, stream: Stream, error: Exception) -> None:
         """End a stream that never became a request (its consumer's request was refused) with `error`."""
         self._post(("fail", stream, error))
@@ -166,16 +154,9 @@ class EngineLoop:
         self._listeners.append(callback)
 
     def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
-        """callback(stats) runs on the engine thread every STATS_INTERVAL_S while an engine is attached;
+        """callback(stats) runs on the engine thread every engine_stats.STATS_INTERVAL_S while an engine is attached;
         add it before `start`."""
-        self._stats_listeners.append(callback)
-        self._step_times = []
-        self._collect_queue_times()
-
-    def _collect_queue_times(self) -> None:
-        """Have the engine's scheduler keep queue times from now on (it keeps none while nobody drains them)."""
-        if self._stats_listeners and self.engine is not None and self.engine.scheduler.queue_times is None:
-            self.engine.scheduler.queue_times = []
+        self._stats.add_listener(callback, self.engine)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (open streams end with DataPlaneUnavailable) and close the engine."""
@@ -201,14 +182,8 @@ class EngineLoop:
     def unavailable_message(self) -> str:
         return f"the data plane is not available ({self.unready_reason}); retry later"
 
-    def _stats_wait_s(self) -> float | None:
-        """Seconds until the next stats report is due; None when nobody listens."""
-        if not self._stats_listeners:
-            return None
-        return max(0.0, self._next_stats - time.monotonic())
-
     def _wait_s(self) -> float | None:
-        waits = [w for w in (self._recover_wait_s(), self._stats_wait_s()) if w is not None]
+        waits = [w for w in (self._recover_wait_s(), self._stats.wait_s()) if w is not None]
         return min(waits, default=None)
 
     def _recover_wait_s(self) -> float | None:
@@ -245,8 +220,8 @@ class EngineLoop:
                 status, self._status = self._status, self._snapshot()
                 if self._on_status is not None and status != self._status:
                     self._on_status(self._status)
-                if self._stats_wait_s() == 0.0:
-                    self._report_stats()
+                if self._stats.wait_s() == 0.0:
+                    self._stats.report(self.engine)
                 # A step's tokens wait until the next step has been sent (engine.step's on_queued): waking
                 # the event loop makes this thread wait for the GIL, which between a result and the next
                 # descriptor leaves the GPU idle. Sent now if no next step is coming.
@@ -289,8 +264,8 @@ class EngineLoop:
                 reason = f"data plane failed: {type(exc).__name__}: {exc}"
             self._set_unready(reason, deliveries)
             return True
-        if out.rows and self._step_times is not None:
-            self._step_times.append(time.perf_counter() - started)
+        if out.rows:
+            self._stats.record_step(time.perf_counter() - started)
         for seq in self.engine.take_expired():
             stream = self._stream_of.pop(seq.group[0].seq_id, None)
             if stream is not None:
@@ -299,14 +274,21 @@ class EngineLoop:
                 deliveries.append((stream, DeadlineExceeded(
                     f"the request's deadline passed after {waited:.2f}s in the server's queue, before it "
                     "started; nothing was computed for it")))
+        ended: list[EngineSequence] = []  # requests of n > 1 a sample of which finished in this step
         for seq, token in out.produced:
             first = seq.group[0]  # a request's samples all map to its stream through sample 0
             stream = self._stream_of.get(first.seq_id)
             if stream is None:
                 continue
-            deliveries.append((stream, _output(stream, seq, [token])))
-            if seq.is_finished and (len(first.group) == 1 or not _unfinished(first)):
-                del self._stream_of[first.seq_id], self._seq_of[stream]
+            deliveries.append((stream, Output.of(stream.request_id, seq, [token])))
+            if seq.is_finished:
+                if len(first.group) == 1:
+                    del self._stream_of[first.seq_id], self._seq_of[stream]
+                else:  # after the loop: samples finishing in this step come later in `produced`
+                    ended.append(first)
+        for first in ended:
+            if not _unfinished(first) and (stream := self._stream_of.pop(first.seq_id, None)) is not None:
+                del self._seq_of[stream]
         # With steps in flight the first steps of a burst return no rows yet: that is progress too.
         return bool(out.rows) or bool(self.engine.inflight)
 
@@ -347,15 +329,25 @@ class EngineLoop:
             if seq is None:
                 if stream in self._compiling:  # its add is yet to come: drop it then
                     self._aborted_compiling.add(stream)
-                    if notify:
-                        deliveries.append((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
-                                                          len(stream.token_ids))))
+                    if notify:  # each sample's final output: the stream ends once all n have one
+                        deliveries.extend((stream, Output(stream.request_id, [], True, FinishReason.ABORT,
+                                                          len(stream.token_ids), index=i))
+                                          for i in range(stream.params.n))
                 return
             del self._stream_of[seq.seq_id]
             unfinished = _unfinished(seq)
-            self._abort(seq)
+            self.engine.abort(seq.seq_id)  # every sample of it
             if notify:  # a final ABORT output for each sample still running
-                deliveries.extend((stream, _output(stream, s, [])) for s in unfinished)
+                deliveries.extend((stream, Output.of(stream.request_id, s, [])) for s in unfinished)
+        elif kind == "stop":
+            _, stream, index, stop = command
+            seq = self._seq_of.get(stream)
+            if seq is None or not 0 <= index < len(seq.group) or seq.group[index].is_finished:
+                return
+            self.engine.stop_on_string(seq.group[index], stop)
+            deliveries.append((stream, Output.of(stream.request_id, seq.group[index], [])))  # read_stream counts it
+            if not _unfinished(seq):
+                del self._stream_of[seq.seq_id], self._seq_of[stream]
         elif kind == "fail":
             deliveries.append((command[1], command[2]))
         elif kind == "kv":
@@ -378,14 +370,9 @@ class EngineLoop:
             elif not self._ready:
                 self._set_ready()
 
-    def _abort(self, seq: EngineSequence) -> None:
-        """Drop every sample of seq's request."""
-        for sample in seq.group:
-            self.engine.abort(sample.seq_id)
-
     def _drop_all(self, reason: str, deliveries: list) -> None:
         for stream, seq in self._seq_of.items():
-            self._abort(seq)
+            self.engine.abort(seq.seq_id)
             deliveries.append((stream, DataPlaneUnavailable(reason)))
         self._seq_of.clear()
         self._stream_of.clear()
@@ -403,7 +390,7 @@ class EngineLoop:
         log.info("the data plane is ready%s: %d rank(s) on %s, %d step(s) in flight",
                  " again" if self._attached else "", len(engine.infos), engine.infos[0].device, engine.steps_in_flight)
         self.facts = EngineFacts.of(engine)
-        self._collect_queue_times()
+        self._stats.collect_queue_times(engine)
         if self._kv is not None:
             self._kv.follow(engine.scheduler.block_manager)
         self._ready, self._unready_reason, self._attached = True, "", True
@@ -421,36 +408,6 @@ class EngineLoop:
             return EngineStatus(0, 0, 0, 0, False)
         running, waiting, used, total = self.engine.stats()
         return EngineStatus(running, waiting, total, used, self._ready)
-
-    def _increase(self, name: str, owner: object, value: int) -> int:
-        """How much a counter of `owner` grew since the last report; a new owner (a new engine) starts at 0."""
-        last_owner, last = self._counted.get(name, (None, 0))
-        self._counted[name] = (owner, value)
-        return value - last if last_owner is owner else value
-
-    def _report_stats(self) -> None:
-        self._next_stats = time.monotonic() + STATS_INTERVAL_S
-        engine = self.engine
-        if engine is None:
-            return
-        try:  # the metrics must never cost a stream: a failure here is logged, not survived as a lost plane
-            s, plane = engine.scheduler, engine.data_plane
-            queue_times, s.queue_times = s.queue_times or [], []
-            step_times, self._step_times = self._step_times, []
-            ages = getattr(plane, "heartbeat_ages", None)
-            stats = EngineStats(
-                self._increase("queries", s, s.num_prefix_queries), self._increase("hits", s, s.num_prefix_hits),
-                self._increase("preemptions", s, s.num_preemptions),
-                self._increase("bytes", plane, getattr(plane, "descriptor_bytes", 0)),
-                step_times, queue_times, engine.epoch, ages() if ages is not None else [])
-        except Exception:
-            log.exception("gathering the engine's stats failed")
-            return
-        for callback in self._stats_listeners:
-            try:
-                callback(stats)
-            except Exception:
-                log.exception("engine stats listener failed")
 
     def _hand_over(self, deliveries: list) -> None:
         """Pass `deliveries` on and empty the list (the same list object goes on)."""

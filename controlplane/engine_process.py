@@ -166,6 +166,10 @@ def engine_main(launch: link.Launch) -> None:
                 stream = streams.pop(msg.key, None)
                 if stream is not None:
                     core.abort_stream(stream, msg.notify)
+            elif isinstance(msg, link.StopSample):
+                stream = streams.get(msg.key)
+                if stream is not None:
+                    core.stop_sample(stream, msg.index, msg.stop)
             elif isinstance(msg, link.SetReady):
                 core.set_data_plane_ready(msg.ready, msg.reason)
             elif isinstance(msg, link.RecordKvEvents):

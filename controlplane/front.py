@@ -19,6 +19,7 @@ from nanoplane.controlplane.engine import Engine, validate_request
 from nanoplane.controlplane.errors import RequestIdInUse
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
+from nanoplane.controlplane.sequence import Sequence as EngineSequence
 from nanoplane.proto.kv_events import KvEventBatch
 
 # A client that cancels a call and at once sends it again with the same request_id (a mesh retrying
@@ -51,6 +52,20 @@ class Output:
     logprobs: list[Logprob] | None = None  # one per entry of token_ids, when the request asked
     prompt_logprobs: list[Logprob | None] | None = None  # the whole prompt's (None for token 0), once, on sample 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+
+    @classmethod
+    def of(cls, request_id: str | int, seq: EngineSequence, token_ids: list[int]) -> Output:
+        """What sample `seq` gained: `token_ids`, its latest (empty when it only ended)."""
+        out = cls(request_id, token_ids, seq.is_finished, seq.finish_reason, seq.num_prompt_tokens,
+                  seq.num_completion_tokens, seq.num_cached_prompt_tokens, seq.sample_index, None, None,
+                  seq.stop_reason)
+        if seq.logprobs is not None and token_ids:  # the entries of the tokens just produced (the latest known)
+            end = seq.num_completion_tokens
+            out.logprobs = seq.logprobs[end - len(token_ids):end]
+        # Once, with sample 0's first token: prefill is complete by then, so the list is whole.
+        if seq.prompt_logprobs is not None and seq.sample_index == 0 and token_ids and seq.num_completion_tokens == 1:
+            out.prompt_logprobs = seq.prompt_logprobs
+        return out
 
     def merge(self, later: Output) -> None:
         """Fold a later output of the same sample into this one (a consumer that fell behind sends one message)."""
@@ -190,6 +205,10 @@ class EngineFront(Protocol):
         requests hold stay cached); KV-event subscribers get AllBlocksCleared, then a BlockStored for
         each block that stayed. False (nothing dropped) while the data plane is down."""
 
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        """A stop string ended sample `index` of a running request of n > 1 (the consumer has its last
+        message): end it in the engine while the other samples go on. Event-loop thread only."""
+
     def status(self) -> EngineStatus:
         """The engine's counters as of its latest iteration."""
 
@@ -197,7 +216,7 @@ class EngineFront(Protocol):
         """callback(ready) runs on a thread of the front's whenever the data plane's readiness changes."""
 
     def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None:
-        """callback(stats) runs on a thread of the front's about every engine_loop.STATS_INTERVAL_S
+        """callback(stats) runs on a thread of the front's about every engine_stats.STATS_INTERVAL_S
         while an engine is attached; add it before `start`."""
 
     def set_data_plane_ready(self, ready: bool, reason: str = "") -> None:

@@ -100,6 +100,11 @@ class InProcessFront:
         self.loop.flush_prefix_cache(lambda ok: self._event_loop.call_soon_threadsafe(_settle, done, ok))
         return await done
 
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self.loop.stop_sample(stream, index, stop)
+
     def status(self) -> EngineStatus:
         return self.loop.status()
 

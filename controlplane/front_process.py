@@ -194,6 +194,13 @@ class ProcessFront:
         finally:
             del self._flushes[token]
 
+    def stop_sample(self, request_id: str, index: int, stop: str) -> None:
+        stream = self._streams.get(request_id)
+        key = self._key_of.get(stream) if stream is not None else None
+        if key is not None:
+            with contextlib.suppress(DataPlaneUnavailable):  # no engine: the stream ends with UNAVAILABLE anyway
+                self._send(link.StopSample(key, index, stop))
+
     def status(self) -> EngineStatus:
         """Counters as of the engine process's latest report."""
         return self._status

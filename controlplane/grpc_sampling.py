@@ -6,7 +6,6 @@ matcher, logprobs, finish and stop reason, usage over every sample).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 from collections.abc import Sequence
 
@@ -62,17 +61,6 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-async def check_structured(params: SamplingParams, tokenizer: Tokenizer) -> None:
-    """Refuse structured output where it is not built in. The grammar itself compiles on the engine's
-    GrammarCompiler pool (EngineLoop.add_stream); one that does not compile ends the stream with
-    ValueError (INVALID_ARGUMENT) before any step."""
-    if params.structured is None:
-        return
-    if importlib.util.find_spec("nanoplane.controlplane.structured") is None:
-        raise NotImplementedError("structured output is not built into this server; leave json_schema, "
-                                  "json_object, regex, choice and grammar unset")
-
-
 def logprobs_to_proto(entries: Sequence[Logprob | None]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, rank=e.rank,
                             top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
@@ -91,9 +79,17 @@ class SampleStreams:
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams):
         self.request_id, self.params = request_id, params
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.samples = [_Sample(TextStream.for_params(tokenizer, prompt_ids, params)) for _ in range(params.n)]
         self.left = params.n  # samples whose last message is still to come
         self.first = True
+
+    def _ended_by_token(self, out: Output) -> bool:
+        """Whether out's last token is the end-of-sequence or stop id that ended its sample (its text is
+        then left out). A structured sample whose grammar completed ends as EOS on a token of its text."""
+        if not ended_by_token(out.finish_reason, out.stop_reason) or not out.token_ids:
+            return False
+        return out.finish_reason is not FinishReason.EOS or out.token_ids[-1] in self.eos_token_ids
 
     @property
     def done(self) -> bool:
@@ -106,8 +102,7 @@ class SampleStreams:
         sample = self.samples[out.index]
         if sample.ended:
             return None, False
-        text = sample.text.push(out.token_ids, out.finished, out.finished and ended_by_token(out.finish_reason,
-                                                                                             out.stop_reason))
+        text = sample.text.push(out.token_ids, out.finished, out.finished and self._ended_by_token(out))
         stopped = sample.text.stopped
         response = pb.GenerateResponse(request_id=self.request_id, token_ids=out.token_ids, index=out.index)
         if out.logprobs:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor, InvalidField
 from nanoplane.controlplane.front import EngineFront
-from nanoplane.controlplane.grpc_sampling import SampleStreams, check_structured, sampling_from_proto
+from nanoplane.controlplane.grpc_sampling import SampleStreams, sampling_from_proto
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS, Metrics
 from nanoplane.controlplane.reflection import enable_reflection
 from nanoplane.controlplane.security import ServerSecurity
@@ -131,7 +131,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              f"{MAX_REQUEST_ID_CHARS} are allowed")
         params = sampling_from_proto(request.sampling)
         token_ids = await self._prompt_ids(request)
-        await check_structured(params, self.tokenizer)
         request_id = request.request_id or uuid.uuid4().hex
         samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
         # aclosing: leaving this block for any reason (client gone, stop string, error) closes the
@@ -149,6 +148,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield response
                 if samples.done:
                     return
+                if stopped:  # one sample of several: the others go on, this one ends in the engine now
+                    self.front.stop_sample(request_id, out.index, response.stop_string)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         kind = _chat_or_oneof(request, "input")

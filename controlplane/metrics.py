@@ -6,7 +6,7 @@ come from four places:
 - each request, where its outputs reach the serving process (grpc_server.py's Generate, on either
   front): time to first token, inter-token latency, end-to-end latency, prompt and generation tokens,
   finish reasons. One observation per message, not per token (`RequestMetrics`);
-- the engine, every engine_loop.STATS_INTERVAL_S (from its thread, or over the engine link's Stats event
+- the engine, every engine_stats.STATS_INTERVAL_S (from its thread, or over the engine link's Stats event
   from its process): prefix-cache queries and hits, preemptions, queue times, step durations,
   descriptor bytes, the data plane's epoch and its ranks' heartbeat ages (`Metrics.record_engine`);
 - the front, read when scraped: running and waiting requests, KV-cache usage, the cache's sizes;

@@ -30,7 +30,7 @@ from nanoplane.controlplane import tokenizer_archive
 from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.errors import DataPlaneUnavailable
 from nanoplane.controlplane.front import EngineFront, EngineStats
-from nanoplane.controlplane.grpc_sampling import SampleStreams, check_structured
+from nanoplane.controlplane.grpc_sampling import SampleStreams
 from nanoplane.controlplane.grpc_server import MAX_REQUEST_ID_CHARS, AddService, GenerationServicer
 from nanoplane.controlplane.kv_events import KvEventsOff
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS
@@ -107,7 +107,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         facts = self.front.facts
         token_ids = truncate_prompt(await self._prompt(request), request.sampling_params, facts)
         params = sampling_from_vllm(request.sampling_params, len(token_ids), facts)
-        await check_structured(params, self.tokenizer)
         request_id = request.request_id or uuid.uuid4().hex
         samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
         responses = VllmResponses(token_ids, params, request.stream)

@@ -21,8 +21,8 @@ from nanoplane.proto.kv_events import KvEvent
 
 MAGIC = b"NE"
 # 2: the Stats event; 3: Add.timeout_s, the "exhausted" and "deadline" failures; 4: the full sampling API
-# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop reason);
-# 5: Flush / Flushed (drop the prefix cache), RecordKvEvents / KvEvents (KV-cache events)
+# (Sampling's processors, logprobs, n, stop details, structured output; Delta's sample index, logprobs, stop
+# reason; the StopSample command); 5: Flush / Flushed (drop the prefix cache), RecordKvEvents / KvEvents
 VERSION = 5
 _HEADER = MAGIC + bytes([VERSION])
 
@@ -76,6 +76,15 @@ class Abort(msgspec.Struct, frozen=True, tag=True, array_like=True):
     notify: bool  # send the request a final ABORT output (a server-side abort); False: its consumer left
 
 
+class StopSample(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A stop string ended one sample of a request on the serving side: end it in the engine (finish
+    reason STOP, its blocks freed) while the request's other samples go on; unknown keys are ignored."""
+
+    key: int  # Add.key of the request
+    index: int  # the sample, in [0, n)
+    stop: str  # the stop string (its stop reason)
+
+
 class SetReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Readiness of the data plane as seen from outside the engine process (a transport's push)."""
 
@@ -100,7 +109,7 @@ class Flush(msgspec.Struct, frozen=True, tag=True, array_like=True):
     token: int  # the serving process's number for this flush
 
 
-Command = Add | Abort | SetReady | Stop | Flush | RecordKvEvents
+Command = Add | Abort | StopSample | SetReady | Stop | Flush | RecordKvEvents
 
 
 # ---- events: engine process -> serving process -----------------------------------------------------
@@ -171,7 +180,7 @@ class Status(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 class Stats(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """What the engine did since its previous Stats (controlplane.front.EngineStats), sent about every
-    engine_loop.STATS_INTERVAL_S while an engine is attached: increments and observations, so that a
+    engine_stats.STATS_INTERVAL_S while an engine is attached: increments and observations, so that a
     replaced engine process adds to the serving process's counters instead of resetting them."""
 
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache at admission

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = ["throughput", "decode_latency", "service_check", "cpu_service", "controlplane_ceiling",
-              "plane_protocol", "kernel_speed", "allreduce", "alternate"]
+              "plane_protocol", "kernel_speed", "allreduce", "alternate", "kv_events"]
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)

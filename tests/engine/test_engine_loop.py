@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from nanoplane.controlplane import engine_loop
+from nanoplane.controlplane import engine_stats
 from nanoplane.controlplane.config import EngineConfig
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.engine_loop import EngineLoop
@@ -139,7 +139,7 @@ def test_ready_again_is_logged_on_a_reattach_only(engine_and_plane, caplog):
 
 
 def test_stats_add_up_and_keep_coming_while_idle(engine_and_plane, monkeypatch):
-    monkeypatch.setattr(engine_loop, "STATS_INTERVAL_S", 0.05)
+    monkeypatch.setattr(engine_stats, "STATS_INTERVAL_S", 0.05)
     engine, _ = engine_and_plane
     reports: list[EngineStats] = []
 
@@ -172,8 +172,8 @@ def test_a_new_engine_counts_from_zero_not_from_the_old_ones_total(engine_and_pl
     reports: list[EngineStats] = []
     loop.add_stats_listener(reports.append)
     engine.scheduler.num_prefix_queries = 100
-    loop._report_stats()
+    loop._stats.report(loop.engine)
     loop.engine = Engine(engine.config, plane, (EOS,))  # a re-attach: its scheduler starts at 0
     loop.engine.scheduler.num_prefix_queries = 30
-    loop._report_stats()
+    loop._stats.report(loop.engine)
     assert [r.prefix_cache_queries for r in reports] == [100, 30]

@@ -59,7 +59,7 @@ def value(families: dict[str, list], sample: str, **labels: str) -> float:
 
 
 def wait_for(server: ServerThread, check, timeout: float = 10.0) -> dict[str, list]:
-    """Scrape until check(families) holds: the engine reports every engine_loop.STATS_INTERVAL_S."""
+    """Scrape until check(families) holds: the engine reports every engine_stats.STATS_INTERVAL_S."""
     deadline = time.monotonic() + timeout
     while True:
         families = scrape(server)

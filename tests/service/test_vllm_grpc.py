@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
-from support.grpc_server import FRONTS, MAX_LEN, PROMPTS, SEQS, ServerThread, rpc_error, wait_idle
+from support.grpc_server import FRONTS, MAX_LEN, PROMPTS, SEQS, ServerThread, rpc_error, serving, wait_idle
 from support.tiny_models import make_tiny_model
 
 from nanoplane.clients import Client
@@ -314,3 +314,11 @@ def test_kv_events_stream_stored_blocks(vllm, client):
 def test_nanoplane_v1_still_answers_beside(client):
     assert [t for c in client.generate(PROMPTS[0], temperature=0, max_tokens=4) for t in c.token_ids]
     assert isinstance(client.server_status(), pb.ServerStatus)
+
+
+def test_kv_events_off_answers_unimplemented(model):
+    """As vLLM's servicer answers when its events are off: the gateway then polls GetLoads."""
+    with serving(model, kv_events="off") as (s, _), grpc.insecure_channel(s.address) as ch:
+        call = vllm_engine_pb2_grpc.VllmEngineStub(ch).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+        err = rpc_error(lambda: next(call))
+        assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "--kv-events on" in err.details()

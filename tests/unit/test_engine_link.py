@@ -37,6 +37,7 @@ logprobs = st.builds(link.Logprob, counts, floats, counts, top)
 commands = st.one_of(
     st.builds(link.Add, counts, token_lists, samplings, st.none() | floats),
     st.builds(link.Abort, counts, st.booleans()),
+    st.builds(link.StopSample, counts, counts, texts),
     st.builds(link.SetReady, st.booleans(), texts),
     st.just(link.Stop()))
 deltas = st.builds(link.Delta, counts, token_lists, st.booleans(),
