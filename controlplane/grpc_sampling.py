@@ -79,17 +79,9 @@ class SampleStreams:
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams):
         self.request_id, self.params = request_id, params
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.samples = [_Sample(TextStream.for_params(tokenizer, prompt_ids, params)) for _ in range(params.n)]
         self.left = params.n  # samples whose last message is still to come
         self.first = True
-
-    def _ended_by_token(self, out: Output) -> bool:
-        """Whether out's last token is the end-of-sequence or stop id that ended its sample (its text is
-        then left out). A structured sample whose grammar completed ends as EOS on a token of its text."""
-        if not ended_by_token(out.finish_reason, out.stop_reason) or not out.token_ids:
-            return False
-        return out.finish_reason is not FinishReason.EOS or out.token_ids[-1] in self.eos_token_ids
 
     @property
     def done(self) -> bool:
@@ -102,7 +94,9 @@ class SampleStreams:
         sample = self.samples[out.index]
         if sample.ended:
             return None, False
-        text = sample.text.push(out.token_ids, out.finished, out.finished and self._ended_by_token(out))
+        # An end-of-sequence or stop id that ended the sample stays in token_ids; its text is left out.
+        text = sample.text.push(out.token_ids, out.finished,
+                                out.finished and ended_by_token(out.finish_reason, out.stop_reason))
         stopped = sample.text.stopped
         response = pb.GenerateResponse(request_id=self.request_id, token_ids=out.token_ids, index=out.index)
         if out.logprobs:

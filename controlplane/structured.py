@@ -41,8 +41,11 @@ def cache_key(structured: dict[str, Any]) -> tuple[str, str]:
     order is kept: the JSON grammar emits properties in the schema's order)."""
     kind, value = next(iter(structured.items()))
     if kind == "json_schema":
-        schema = json.loads(value) if isinstance(value, str) else value
-        return kind, json.dumps(schema, separators=(",", ":"))
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+            return kind, json.dumps(schema, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"invalid sampling parameter structured.json_schema: not a JSON document ({e})") from None
     if kind == "choice":
         return kind, json.dumps(list(value))
     if kind == "json_object":
@@ -152,7 +155,12 @@ class GrammarCompiler:
         import llguidance
 
         grammar = grammar_text(*key)
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        try:
+            tokenizer = self._llg_tokenizer()
+        except Exception as e:  # a model folder whose tokenizer llguidance cannot read: refuse, never crash
+            raise ValueError(f"structured output is not available for this model: llguidance cannot use its "
+                             f"tokenizer ({type(e).__name__}: {e})") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid sampling parameter structured.{key[0]}: {_short(matcher.get_error())}")
         return CompiledGrammar(key, matcher)

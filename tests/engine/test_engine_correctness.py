@@ -118,7 +118,9 @@ def test_text_prompts_and_eos(tiny_models):
         out = llm.generate(["the quick brown fox"], SamplingParams(temperature=0, max_tokens=8,
                                                                    stop_token_ids=[expected[3]]), use_tqdm=False)
         assert out[0]["token_ids"] == expected[: expected.index(expected[3]) + 1]
-        assert out[0]["text"] == llm.tokenizer.decode(out[0]["token_ids"])
+        # As in vLLM, the stop id stays in token_ids and its text is left out.
+        assert out[0]["text"] == llm.tokenizer.decode(out[0]["token_ids"][:-1])
+        assert (out[0]["finish_reason"], out[0]["stop_reason"]) == ("stop", expected[3])
         assert eos not in out[0]["token_ids"][:-1]
     finally:
         llm.close()

@@ -61,7 +61,12 @@ def runner(path, **kw) -> ModelRunner:
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_logprobs_and_prompt_logprobs_match_transformers(tiny_models, fused):
+def test_logprobs_and_prompt_logprobs_match_transformers(tiny_models, fused, monkeypatch):
+    """fused: the Triton kernels in the interpreter. The LM head over a chunk's positions runs 5 at a
+    time here, so the prompt logprobs cross its sub-chunks' edges."""
+    from nanoplane.dataplane import logprobs
+
+    monkeypatch.setattr(logprobs, "PROMPT_CHUNK", 5)
     path = tiny_models["llama-tied"]
     lengths = [7, 40, 2, 33, 18]
     specs, penalties = logprob_specs()
@@ -153,3 +158,24 @@ def test_kv_block_copies_and_refusals(tiny_models):
         assert not r.execute(StepDescriptor(1)).error  # the refusals consumed no step id
     finally:
         r.close()
+
+
+def test_tensor_parallel_draw_counters_stay_in_step(tiny_models, monkeypatch):
+    """Unseeded rows draw from the shared stream's counter: over the steps whose logprobs row sends
+    the logits to rank 0 (the row ends after 2 tokens) and the sliced steps after them, two ranks
+    draw what one rank draws from whole rows."""
+    monkeypatch.setenv("NANOPLANE_FUSED_SAMPLER", "1")
+    path = tiny_models["qwen3"]
+    ps = prompts([3, 30, 12], seed=12)
+    params = [SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1, presence_penalty=0.5)]
+    runs = {}
+    for tp in (1, 2):
+        llm = LLM(str(path), device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=64)
+        try:
+            runs[tp] = [o["token_ids"] for o in llm.generate(ps, params, use_tqdm=False)]
+        finally:
+            llm.close()
+    assert runs[2] == runs[1]
+    assert runs[1][0] != runs[1][1]
