@@ -17,7 +17,8 @@ A server with TLS: `Client(address, tls_ca="ca.pem")` (the CA that signed its ce
 Each of tls_ca, tls_cert and tls_key is a file path or the PEM bytes themselves.
 
 This package speaks gRPC like a client in any other language would: it imports `proto` and grpc
-only, never the server's code.
+only, never the server's code. `pip install nanoplane-client` (clients/pyproject.toml) installs it
+alone, without torch, as `nanoplane_client`: `from nanoplane_client import Client`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
-from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
+# Relative: this folder is `nanoplane.clients` in the server's distribution and `nanoplane_client.clients`
+# in the client's (clients/pyproject.toml), each with the generated modules at `..proto.nanoplane.v1`.
+from ..proto.nanoplane.v1 import generation_pb2 as pb
+from ..proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages
 Pem = str | Path | bytes  # a file's path, or PEM bytes

@@ -2,8 +2,10 @@
 
 Servicer code raises plain exceptions (ValueError for a bad request, NotImplementedError for a
 parameter the engine does not honour, the two classes below); the interceptor turns them into a
-status with the exception's message as details. Anything else is a bug: it is logged with its
-traceback and the client gets INTERNAL.
+status with the exception's message as details, and google.rpc.Status details beside it
+(`grpc-status-details-bin`, read by grpcio-status and every language's status helpers): BadRequest
+naming the field of an INVALID_ARGUMENT, RetryInfo on RESOURCE_EXHAUSTED and UNAVAILABLE.
+Anything else is a bug: it is logged with its traceback and the client gets INTERNAL.
 
 A request body that does not parse would otherwise fail inside grpc before any handler runs, as
 UNKNOWN with an error logged per call; the interceptor parses leniently instead and answers
@@ -14,14 +16,26 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from nanoplane.controlplane.scheduler import QueueFull
 from nanoplane.proto.engine_link import DEADLINE, EXHAUSTED, ID_IN_USE, INTERNAL, INVALID, UNAVAILABLE
 
 log = logging.getLogger(__name__)
+
+
+class InvalidField(ValueError):
+    """A bad request that one field of it is to blame for: `field` is its path in the request (`chat[0].role`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class RequestIdInUse(Exception):
@@ -79,6 +93,39 @@ async def _refuse_unparsable(context: grpc.aio.ServicerContext, request: _Unpars
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request body does not parse: {request.error}")
 
 
+# SamplingParams' checks name the parameter first ("invalid sampling parameter top_p=2.0: ..."); the
+# field it is in each service's request message.
+_SAMPLING_PARAMETER = re.compile(r"invalid sampling parameter ([A-Za-z_][\w.]*)")
+_SAMPLING_FIELD = {"/nanoplane.v1.Generation/": "sampling", "/vllm.grpc.engine.VllmEngine/": "sampling_params"}
+
+
+def field_of(method: str, exc: BaseException) -> str | None:
+    """The request field an INVALID_ARGUMENT is about, when known."""
+    if isinstance(exc, InvalidField):
+        return exc.field
+    found = _SAMPLING_PARAMETER.match(str(exc))
+    prefix = next((field for service, field in _SAMPLING_FIELD.items() if method.startswith(service)), None)
+    return f"{prefix}.{found.group(1)}" if found and prefix else None
+
+
+def status_details(method: str, code: grpc.StatusCode, message: str, exc: BaseException) -> tuple:
+    """Trailing metadata carrying the google.rpc.Status of this error (the same code and message)."""
+    details = []
+    if code is grpc.StatusCode.INVALID_ARGUMENT and (field := field_of(method, exc)) is not None:
+        details.append(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=message)]))
+    elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(RETRY_PUSHBACK_MS)
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    packed = []
+    for detail in details:
+        packed.append(any_pb2.Any())
+        packed[-1].Pack(detail)
+    status = status_pb2.Status(code=code.value[0], message=message, details=packed)
+    return tuple(rpc_status.to_status(status).trailing_metadata)
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     for cls, code in STATUS_BY_EXCEPTION:
         if isinstance(exc, cls):
@@ -90,7 +137,8 @@ async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception)
     code, details = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
-    await context.abort(code, details, PUSHBACK_METADATA if isinstance(exc, QueueFull) else ())
+    pushback = PUSHBACK_METADATA if isinstance(exc, QueueFull) else ()
+    await context.abort(code, details, pushback + status_details(method, code, details, exc))
 
 
 def _wrap_unary(method: str, behaviour: Callable[..., Awaitable]) -> Callable[..., Awaitable]:

@@ -11,18 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 import grpc
 import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor
+from nanoplane.controlplane.errors import DataPlaneUnavailable, ExceptionToStatusInterceptor, InvalidField
 from nanoplane.controlplane.front import EngineFront
 from nanoplane.controlplane.grpc_sampling import SampleStreams, sampling_from_proto
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS, Metrics
+from nanoplane.controlplane.reflection import enable_reflection
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.tokenizer import Tokenizer
 from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
@@ -86,44 +86,47 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise ValueError(f"the prompt ({n_chars} characters) is longer than max_model_len "
                              f"{facts.max_model_len} tokens can hold")
 
-    async def _chat(self, chat: pb.ChatMessages) -> tuple[str, list[int]]:
-        if not chat.messages:
-            raise ValueError("messages is empty: give at least one message")
+    async def _chat(self, messages: Sequence[pb.ChatMessage], field: str) -> tuple[str, list[int]]:
+        """`field`: where the messages came from (`chat` or `messages.messages`), for error details."""
+        if not messages:
+            raise InvalidField(field, f"{field.split('.')[0]} is empty: give at least one message")
         facts = self.front.facts
         # A chat template spends at least a token on each message; this bound comes first so that a
         # flood of empty messages is refused before anything loops over it.
-        if facts is not None and len(chat.messages) > facts.max_model_len:
-            raise ValueError(f"{len(chat.messages)} messages cannot fit max_model_len {facts.max_model_len} tokens")
-        for i, m in enumerate(chat.messages):
+        if facts is not None and len(messages) > facts.max_model_len:
+            raise InvalidField(field, f"{len(messages)} messages cannot fit max_model_len {facts.max_model_len} tokens")
+        for i, m in enumerate(messages):
             if not m.role:
-                raise ValueError(f"message {i} has no role (e.g. 'user')")
+                raise InvalidField(f"{field}[{i}].role", f"message {i} has no role (e.g. 'user')")
         # Roles go through the template too, and nothing bounds them but this.
-        self._check_text_length(sum(len(m.role) + len(m.content) for m in chat.messages))
+        self._check_text_length(sum(len(m.role) + len(m.content) for m in messages))
         try:
             # Off the event loop: tokenizing a long prompt takes seconds, and every stream waits on the loop.
             return await asyncio.to_thread(self.tokenizer.encode_chat,
-                                           [{"role": m.role, "content": m.content} for m in chat.messages],
+                                           [{"role": m.role, "content": m.content} for m in messages],
                                            self._refuse_surely_longer)
         except jinja2.TemplateError as exc:
             raise ValueError(f"the model's chat template rejected the messages: {exc}") from None
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
+        kind = _chat_or_oneof(request, "prompt")
         if kind is None:
-            raise ValueError("the request has no prompt: set one of text, token_ids or messages")
+            raise InvalidField("prompt", "the request has no prompt: set one of text, token_ids, messages or chat")
+        if kind == "chat":
+            return (await self._chat(request.chat, "chat"))[1]
         if kind == "text":
             if not request.text:
-                raise ValueError("the prompt text is empty")
+                raise InvalidField("text", "the prompt text is empty")
             self._check_text_length(len(request.text))
             return await asyncio.to_thread(self._encode_text, request.text)
         if kind == "token_ids":
             return list(request.token_ids.ids)
-        return (await self._chat(request.messages))[1]
+        return (await self._chat(request.messages.messages, "messages.messages"))[1]
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         measure = self.metrics.request() if self.metrics is not None else NO_REQUEST_METRICS
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise ValueError(f"request_id is {len(request.request_id)} characters long; at most "
+            raise InvalidField("request_id", f"request_id is {len(request.request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_CHARS} are allowed")
         params = sampling_from_proto(request.sampling)
         token_ids = await self._prompt_ids(request)
@@ -136,9 +139,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 yield response
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        kind = request.WhichOneof("input")
-        if kind == "messages":
-            text, ids = await self._chat(request.messages)
+        kind = _chat_or_oneof(request, "input")
+        if kind in ("messages", "chat"):
+            chat = (request.chat, "chat") if kind == "chat" else (request.messages.messages, "messages.messages")
+            text, ids = await self._chat(*chat)
         else:
             self._check_text_length(len(request.text))  # Tokenize answers for prompts only: the same bound
             ids = await asyncio.to_thread(self._encode_text, request.text) if request.text else []
@@ -161,6 +165,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ServerStatus(running_requests=s.running, waiting_requests=s.waiting,
                                kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used,
                                data_plane_ready=self.front.data_plane_ready)
+
+
+def _chat_or_oneof(request: pb.GenerateRequest | pb.TokenizeRequest, oneof: str) -> str | None:
+    """"chat" (the wrapper-free conversation), else the oneof's field; both set is refused."""
+    kind = request.WhichOneof(oneof)
+    if request.chat and kind is not None:
+        raise InvalidField("chat", f"chat and {kind} are both set: give the prompt once")
+    return "chat" if request.chat else kind
 
 
 class GenerationServer:
@@ -197,9 +209,7 @@ class GenerationServer:
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         self.service_names = [SERVICE] + [add(server, servicer) for add in self.services]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        service_names = (*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                         reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(service_names, server)
+        enable_reflection([*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
         credentials = self.security.credentials() if self.security else None
         self.port = (server.add_secure_port(self.address, credentials) if credentials
                      else server.add_insecure_port(self.address))

@@ -8,17 +8,24 @@
 #
 # Both ports default to loopback: a container binds all its interfaces explicitly, as above. The keys
 # (`nanoplane keys /srv/plane-keys`, docs/operations.md "Securing the plane link") guard the ZeroMQ port.
-FROM python:3.12-slim
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+FROM ${PYTHON_IMAGE}
 
+# TRANSFORMERS_NO_ADVISORY_WARNINGS: transformers says "PyTorch was not found" at import; here that is
+# the design (the tokenizer is all it is used for), not news. NANOPLANE_MODEL_WAIT=-1: a model not yet
+# mounted is reported once and waited for, rather than exiting into `restart:`'s loop.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_NO_ADVISORY_WARNINGS=1 \
+    NANOPLANE_MODEL_WAIT=-1
 
 # Third-party packages first, in their own layer: they change far less often than our code.
-COPY docker/requirements-controlplane.txt /tmp/requirements-controlplane.txt
-RUN pip install -r /tmp/requirements-controlplane.txt
+# Every version pinned by docker/constraints.txt (docker/pin_versions.py): the ones the tests ran with.
+COPY docker/requirements-controlplane.txt docker/constraints.txt /tmp/
+RUN pip install -c /tmp/constraints.txt -r /tmp/requirements-controlplane.txt
 
 # Every folder, since the distribution installs them all under `nanoplane`; the control plane's commands
 # never load models/, kernels/ or dataplane/'s torch modules (the check below fails the build if one does).
@@ -48,9 +55,10 @@ USER 10001
 EXPOSE 50051 5555
 
 # SERVING only while a data plane is attached, so a long start period: the data plane loads the
-# model and captures CUDA graphs before it says READY.
+# model and captures CUDA graphs before it says READY. The shell form: it asks the port NANOPLANE_PORT
+# configures (the gRPC API's default, 50051, when unset).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["nanoplane", "health", "--server", "127.0.0.1:50051"]
+    CMD nanoplane health --server "127.0.0.1:${NANOPLANE_PORT:-50051}"
 
 ENTRYPOINT ["nanoplane"]
 CMD ["controlplane"]

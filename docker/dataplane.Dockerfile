@@ -23,6 +23,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HUB_OFFLINE=1 \
+    NANOPLANE_MODEL_WAIT=-1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
@@ -41,10 +42,12 @@ RUN pip install "torch==${TORCH_VERSION}"
 # Then the project's other dependencies, read from pyproject.toml so there is no second list to keep
 # in step; the installed torch already satisfies its requirement and is never replaced.
 WORKDIR /opt/nanoplane
+# The versions the tests ran with: docker/constraints.txt (docker/pin_versions.py; torch's own are TORCH_VERSION's).
 COPY pyproject.toml README.md ./
+COPY docker/constraints.txt /tmp/constraints.txt
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt
+    && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt
 
 COPY nanoplane ./nanoplane
 COPY proto ./proto

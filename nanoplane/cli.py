@@ -20,7 +20,9 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from importlib import metadata
+from pathlib import Path
 
 from nanoplane import settings
 
@@ -37,6 +39,21 @@ def resolve_model(model: str | None) -> str:
     from nanoplane.models.default_model import default_model_dir
 
     return str(default_model_dir(settings.read_tuning().cache))
+
+
+def wait_for_model(model: str, wait_s: float, poll_s: float = 2.0) -> None:
+    """Wait for a model folder that is not there yet, saying so once: a container that exited instead would
+    be restarted by its `restart:` policy over and over. ValueError (exit 2) when the wait is over."""
+    config, deadline = Path(model) / "config.json", time.monotonic() + wait_s
+    if config.is_file() or wait_s == 0:
+        return
+    print(f"nanoplane: no model at {model} (no config.json): mount a HuggingFace model folder there "
+          f"(docker-compose.yml: NANOPLANE_MODEL_DIR and NANOPLANE_MODEL_NAME); waiting for it"
+          + ("" if wait_s < 0 else f" {wait_s:g} s"), file=sys.stderr, flush=True)
+    while not config.is_file():
+        if wait_s >= 0 and time.monotonic() >= deadline:
+            raise ValueError(f"model folder {model!r} has no config.json (waited {wait_s:g} s)")
+        time.sleep(poll_s)
 
 
 def engine_config(args: argparse.Namespace):
@@ -220,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanoplane: error: --server must be HOST:PORT, got {args.server!r}", file=sys.stderr)
         return 2
     try:
+        if getattr(args, "model_wait", 0) and args.model:
+            wait_for_model(args.model, args.model_wait)
         return args.func(args)
     except ValueError as e:
         print(f"nanoplane: error: {e}", file=sys.stderr)

@@ -78,6 +78,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", str, None, "HuggingFace model folder (the embedded SmolLM2-135M when not given)",
            _ENGINE | {"dataplane"}, dataplane_field="model", required=frozenset({"dataplane"}),
            helps={"dataplane": "HuggingFace model folder (required)"}),
+    Option("model_wait", float, 0.0, "seconds to wait for --model's config.json to appear before failing, as "
+           "a container may start before its model is mounted or copied in (-1: forever; the images set it)", _PLANE),
     Option("device", str, "auto", "cuda, cuda:N (a data plane's rank r takes cuda:r with cuda), cpu or auto",
            _RANKS, engine=True, dataplane_field="device"),
     Option("dtype", str, "auto", "weights and activations; auto: bf16 on GPU (fp16 if the checkpoint says so), "

@@ -1,9 +1,11 @@
 """Regenerate the Python code for the public API: `python proto/generate.py` from anywhere.
 
 protoc writes `from nanoplane.v1 import generation_pb2` into the gRPC module, which resolves only
-with proto/ itself on sys.path; the project imports the package as `proto.nanoplane.v1`, so the
-import is rewritten after every run. The stub (.pyi) gets a `# ruff: noqa` line: pyproject.toml's
-exclusion pattern (`*_pb2*.py`) does not cover it, and generated code is not ours to lint.
+with proto/ itself on sys.path; the import is rewritten to a relative one after every run, so the
+same files work as `nanoplane.proto.nanoplane.v1` (the server) and inside the client distribution
+(clients/pyproject.toml's `nanoplane_client.proto.nanoplane.v1`). The stub (.pyi) gets a
+`# ruff: noqa` line: pyproject.toml's exclusion pattern (`*_pb2*.py`) does not cover it, and
+generated code is not ours to lint.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def main() -> None:
             sys.exit(f"protoc failed on {source}")
         grpc_file = PROTO_DIR / source.replace(".proto", "_pb2_grpc.py")
         text = grpc_file.read_text()
-        patched, n = re.subn(r"^from nanoplane\.", "from nanoplane.proto.nanoplane.", text, flags=re.MULTILINE)
+        patched, n = re.subn(r"^from nanoplane\.v1 import", "from . import", text, flags=re.MULTILINE)
         if n == 0:
             sys.exit(f"{grpc_file}: found no 'from nanoplane.' import to rewrite; did protoc change its output?")
         grpc_file.write_text(patched)

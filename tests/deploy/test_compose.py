@@ -18,6 +18,7 @@ from support.docker_config import (
     MODEL_MOUNT,
     ROOT,
     dockerfile_healthcheck,
+    effective_argv,
     environment,
     healthcheck_argv,
     host_port,
@@ -74,15 +75,19 @@ def test_every_nanoplane_variable_is_a_flag_that_takes_effect(name):
     assert not problems, f"service {name}:\n" + "\n".join(problems)
 
 
-def test_controlplane_healthchecks_ask_its_own_grpc_port():
-    svc = service("controlplane")
-    _, cp = run_service("controlplane")
+@pytest.mark.parametrize("port", [None, "6000"])
+@pytest.mark.parametrize("name", ["controlplane", "controlplane-2"])
+def test_controlplane_healthchecks_ask_its_own_grpc_port(name, port):
+    """Both health checks follow the port the container's NANOPLANE_PORT configures, also when changed."""
+    svc = service(name)
+    env = environment(svc) | ({"NANOPLANE_PORT": port} if port else {})
+    _, cp = parse(effective_argv(name, svc), env, f"service {name}")
     assert "healthcheck" in svc and not svc["healthcheck"].get("disable"), "the control plane needs a healthcheck"
-    checks = {"docker-compose.yml": healthcheck_argv(svc["healthcheck"]["test"]),
-              "controlplane.Dockerfile": dockerfile_healthcheck(DOCKERFILES["controlplane"])}
+    checks = {"docker-compose.yml": healthcheck_argv(svc["healthcheck"]["test"], env),
+              "controlplane.Dockerfile": dockerfile_healthcheck(DOCKERFILES["controlplane"], env)}
     for where, argv in checks.items():
         assert argv, f"{where} has no HEALTHCHECK for the control plane"
-        _, ns = parse(argv, environment(svc), f"{where} healthcheck")
+        _, ns = parse(argv, env, f"{where} healthcheck")
         assert ns.command == "health", f"{where} healthcheck runs `nanoplane {ns.command}`"
         host, port = host_port(ns.server)
         assert host in ("127.0.0.1", "localhost", "::1"), f"{where} healthcheck asks {host}, not this container"

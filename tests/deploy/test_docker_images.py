@@ -27,6 +27,7 @@ from support.docker_config import (
     DOCKERFILES,
     OURS,
     ROOT,
+    dockerfile_env,
     dockerfile_instructions,
     dockerfile_one,
     effective_argv,
@@ -135,6 +136,11 @@ def _image_like_path(tmp: Path) -> str:
         (src / "nanoplane" / module.name).symlink_to(module)
     for package in copied - {"nanoplane"}:
         (src / "nanoplane" / package).symlink_to(ROOT / package)
+    # The image pip-installs the project, so its metadata is there (importlib.metadata.version("nanoplane")).
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    (site / f"nanoplane-{version}.dist-info").mkdir()
+    (site / f"nanoplane-{version}.dist-info" / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: nanoplane\nVersion: {version}\n")
     wanted = _dependency_closure([Requirement(x) for x in _requirement_lines(CP_REQUIREMENTS)])
     for dist in metadata.distributions():
         if canonicalize_name(dist.metadata["Name"]) not in wanted:
@@ -165,7 +171,8 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     data plane is attached, passes once one is, a client streams an answer, and stopping the control
     plane stops the data plane with exit 0 (what `restart: unless-stopped` relies on)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NANOPLANE_", "PYTHON"))}
-    image = dict(base, PYTHONPATH=_image_like_path(tmp_path))
+    # The image's own ENV too (TRANSFORMERS_NO_ADVISORY_WARNINGS, NANOPLANE_MODEL_WAIT).
+    image = dict(base, PYTHONPATH=_image_like_path(tmp_path), **dockerfile_env(DOCKERFILES["controlplane"]))
     image_python = [sys.executable, "-S", "-m", "nanoplane"]  # -S: not this environment's packages
     model = str(tiny_models["qwen3"])
 
@@ -182,6 +189,7 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=image, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, f"the control-plane image cannot run its commands:\n{out.stderr[-3000:]}"
+    assert "PyTorch was not found" not in out.stderr, "transformers' torch notice is back in the control plane's log"
 
     port, zmq_port = free_port(), free_port()
     cp_argv = effective_argv("controlplane", service("controlplane"))
@@ -223,6 +231,7 @@ def test_controlplane_image_runs_the_compose_configuration(tiny_models, tmp_path
 
         cp_log = _stop(cp)
         assert cp.returncode == 0, f"the control plane did not stop cleanly on SIGTERM:\n{cp_log[-3000:]}"
+        assert "PyTorch was not found" not in cp_log, "the control plane's log says PyTorch was not found"
         try:
             dp_log = dp.communicate(timeout=60)[0]
         except subprocess.TimeoutExpired:

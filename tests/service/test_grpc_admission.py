@@ -17,6 +17,8 @@ from contextlib import contextmanager
 import grpc
 import psutil
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from support.grpc_server import FRONTS, ServerThread, serving, wait_idle
 from support.tiny_models import make_tiny_model
 
@@ -102,6 +104,9 @@ def check_refused(calls: list[Call], n_refused: int, bound: str) -> None:
         assert c.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, c.error
         assert bound in c.error.details() and "retry later" in c.error.details()
         assert dict(c.error.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
+        status, info = rpc_status.from_call(c.error), error_details_pb2.RetryInfo()  # google.rpc.Status too
+        assert status.message == c.error.details() and status.details[0].Unpack(info)
+        assert info.retry_delay.ToMilliseconds() == 1000
     assert all(c.tokens == 4 for c in calls if c.error is None)
 
 

@@ -21,7 +21,8 @@ import yaml  # PyYAML: a dependency of transformers
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = {"controlplane": ROOT / "docker" / "controlplane.Dockerfile",
-               "dataplane": ROOT / "docker" / "dataplane.Dockerfile"}
+               "dataplane": ROOT / "docker" / "dataplane.Dockerfile",
+               "smg": ROOT / "docker" / "smg.Dockerfile"}
 CP_REQUIREMENTS = ROOT / "docker" / "requirements-controlplane.txt"
 OURS = {"nanoplane", "proto", "controlplane", "dataplane", "models", "kernels", "clients"}
 MODEL_MOUNT = "/models"
@@ -121,6 +122,17 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
+def dockerfile_env(path: Path) -> dict[str, str]:
+    """The environment the final stage's ENV instructions give a container (KEY=value forms)."""
+    env: dict[str, str] = {}
+    for name, args in dockerfile_instructions(path):
+        if name == "FROM":
+            env = {}
+        elif name == "ENV":
+            env.update(word.split("=", 1) for word in shlex.split(args))
+    return env
+
+
 def exec_form(args: str) -> list[str]:
     if args.startswith("["):
         return json.loads(args)
@@ -138,34 +150,54 @@ def dockerfile_one(path: Path, instr: str) -> str | None:
     return found
 
 
-def dockerfile_healthcheck(path: Path) -> list[str] | None:
+def shell_argv(command: str, env: dict[str, str]) -> list[str]:
+    """What `sh -c command` runs first under `env`: its ${VAR:-default} / $VAR expanded, up to any operator."""
+    argv = shlex.split(interpolate(command, env))
+    for i, w in enumerate(argv):
+        if w in ("||", "&&", "|", ";"):
+            return argv[:i]
+    return argv
+
+
+def dockerfile_healthcheck(path: Path, env: dict[str, str] | None = None) -> list[str] | None:
+    """The HEALTHCHECK's argv; a shell form's variables expanded from `env` (the container's)."""
     args = dockerfile_one(path, "HEALTHCHECK")
     if args is None or args.upper() == "NONE":
         return None
     m = re.match(r"((?:--\S+\s+)*)CMD\s+(.*)", args, re.S)
     assert m, f"{path.name}: HEALTHCHECK without CMD: {args!r}"
-    return exec_form(m[2].strip())
+    argv = exec_form(m[2].strip())
+    return shell_argv(argv[2], env or {}) if argv[:2] == ["/bin/sh", "-c"] else argv
 
 
-def healthcheck_argv(test) -> list[str]:
-    """A compose healthcheck `test` as the argv it runs (up to any shell operator)."""
+def healthcheck_argv(test, env: dict[str, str] | None = None) -> list[str]:
+    """A compose healthcheck `test` as the argv it runs (up to any shell operator); a CMD-SHELL's variables
+    expanded from `env`, the container's environment (compose has already turned `$$` into `$`)."""
     if isinstance(test, str):
         test = ["CMD-SHELL", test]
     kind, rest = test[0], [str(w) for w in test[1:]]
     assert kind in ("CMD", "CMD-SHELL"), f"healthcheck test {test!r}"
     if kind == "CMD-SHELL":
-        rest = shlex.split(" ".join(rest))
-        for i, w in enumerate(rest):
-            if w in ("||", "&&", "|", ";"):
-                return rest[:i]
+        return shell_argv(" ".join(rest), env or {})
     return rest
+
+
+def dockerfile_of(name: str, svc: dict) -> Path:
+    """The Dockerfile of a service's image: its own `build`, or that of the service that builds its `image`
+    (a replica runs the image another service builds)."""
+    if name in DOCKERFILES:
+        return DOCKERFILES[name]
+    builders = {s.get("image"): s for s in (load_compose().get("services") or {}).values() if s.get("build")}
+    assert svc.get("image") in builders, f"service {name} neither builds nor reuses a built image: {svc.get('image')}"
+    build = builders[svc["image"]]["build"]
+    return (ROOT / build.get("context", ".") / build["dockerfile"]).resolve()
 
 
 def effective_argv(name: str, svc: dict) -> list[str]:
     """What the container runs: compose's entrypoint/command over the image's ENTRYPOINT/CMD.
 
     As in Docker, a compose `entrypoint` also drops the image's CMD."""
-    dockerfile = DOCKERFILES[name]
+    dockerfile = dockerfile_of(name, svc)
     entrypoint_args, cmd_args = dockerfile_one(dockerfile, "ENTRYPOINT"), dockerfile_one(dockerfile, "CMD")
     if "entrypoint" in svc:
         entrypoint, default_cmd = words(svc["entrypoint"]), []

@@ -24,17 +24,18 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoplane/v1/generation.proto\x12\x0cnanoplane.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoplane.v1.ChatMessage\"\x89\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.nanoplane.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x11 \x01(\x05H\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\t\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\n\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x15.nanoplane.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.nanoplane.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.nanoplane.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.nanoplane.v1.SamplingParamsB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.nanoplane.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xcf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.nanoplane.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.nanoplane.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.nanoplane.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.nanoplane.v1.TokenLogprob\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x42\r\n\x0bstop_reason\"Z\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.nanoplane.v1.ChatMessagesH\x00\x42\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xde\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x15\n\rkv_block_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\r\"\x18\n\x16GetServerStatusRequest\"\x8d\x01\n\x0cServerStatus\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10\x64\x61ta_plane_ready\x18\x05 \x01(\x08*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x04\x32\xc5\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.nanoplane.v1.GenerateRequest\x1a\x1e.nanoplane.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.nanoplane.v1.TokenizeRequest\x1a\x1e.nanoplane.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.nanoplane.v1.GetModelInfoRequest\x1a\x17.nanoplane.v1.ModelInfo\x12S\n\x0fGetServerStatus\x12$.nanoplane.v1.GetServerStatusRequest\x1a\x1a.nanoplane.v1.ServerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnanoplane/v1/generation.proto\x12\x0cnanoplane.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.nanoplane.v1.ChatMessage\"\x89\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.nanoplane.v1.SamplingParams.LogitBiasEntry\x12\x0e\n\x01n\x18\x11 \x01(\x05H\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\t\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\n\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x15.nanoplane.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x00\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nstructuredB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.nanoplane.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x04 \x01(\x0b\x32\x1a.nanoplane.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.nanoplane.v1.SamplingParams\x12\'\n\x04\x63hat\x18\x06 \x03(\x0b\x32\x19.nanoplane.v1.ChatMessageB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.nanoplane.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xcf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.nanoplane.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.nanoplane.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.nanoplane.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.nanoplane.v1.TokenLogprob\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\n \x01(\tH\x00\x42\r\n\x0bstop_reason\"\x83\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12.\n\x08messages\x18\x02 \x01(\x0b\x32\x1a.nanoplane.v1.ChatMessagesH\x00\x12\'\n\x04\x63hat\x18\x03 \x03(\x0b\x32\x19.nanoplane.v1.ChatMessageB\x07\n\x05input\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xde\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x15\n\rkv_block_size\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x19\n\x11has_chat_template\x18\x08 \x01(\x08\x12\x1a\n\x12kv_capacity_tokens\x18\t \x01(\r\"\x18\n\x16GetServerStatusRequest\"\x8d\x01\n\x0cServerStatus\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10\x64\x61ta_plane_ready\x18\x05 \x01(\x08*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x04\x32\xc5\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.nanoplane.v1.GenerateRequest\x1a\x1e.nanoplane.v1.GenerateResponse0\x01\x12I\n\x08Tokenize\x12\x1d.nanoplane.v1.TokenizeRequest\x1a\x1e.nanoplane.v1.TokenizeResponse\x12J\n\x0cGetModelInfo\x12!.nanoplane.v1.GetModelInfoRequest\x1a\x17.nanoplane.v1.ModelInfo\x12S\n\x0fGetServerStatus\x12$.nanoplane.v1.GetServerStatusRequest\x1a\x1a.nanoplane.v1.ServerStatusB\x9e\x01\n\x10\x64\x65v.nanoplane.v1B\x0fGenerationProtoP\x01Z>github.com/nanoplane/nanoplane/gen/go/nanoplane/v1;nanoplanev1\xa2\x02\x03NPX\xaa\x02\x0cNanoplane.V1\xba\x02\x02NP\xca\x02\x0cNanoplane\\V1\xea\x02\rNanoplane::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nanoplane.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\020dev.nanoplane.v1B\017GenerationProtoP\001Z>github.com/nanoplane/nanoplane/gen/go/nanoplane/v1;nanoplanev1\242\002\003NPX\252\002\014Nanoplane.V1\272\002\002NP\312\002\014Nanoplane\\V1\352\002\rNanoplane::V1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2466
-  _globals['_FINISHREASON']._serialized_end=2609
+  _globals['_FINISHREASON']._serialized_start=2549
+  _globals['_FINISHREASON']._serialized_end=2692
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_CHATMESSAGE']._serialized_start=72
@@ -48,27 +49,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=1087
   _globals['_CHOICES']._serialized_end=1113
   _globals['_GENERATEREQUEST']._serialized_start=1116
-  _globals['_GENERATEREQUEST']._serialized_end=1320
-  _globals['_USAGE']._serialized_start=1322
-  _globals['_USAGE']._serialized_end=1409
-  _globals['_TOKENLOGPROB']._serialized_start=1411
-  _globals['_TOKENLOGPROB']._serialized_end=1513
-  _globals['_TOPLOGPROB']._serialized_start=1515
-  _globals['_TOPLOGPROB']._serialized_end=1562
-  _globals['_GENERATERESPONSE']._serialized_start=1565
-  _globals['_GENERATERESPONSE']._serialized_end=1900
-  _globals['_TOKENIZEREQUEST']._serialized_start=1902
-  _globals['_TOKENIZEREQUEST']._serialized_end=1992
-  _globals['_TOKENIZERESPONSE']._serialized_start=1994
-  _globals['_TOKENIZERESPONSE']._serialized_end=2045
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2047
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2068
-  _globals['_MODELINFO']._serialized_start=2071
-  _globals['_MODELINFO']._serialized_end=2293
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2295
-  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2319
-  _globals['_SERVERSTATUS']._serialized_start=2322
-  _globals['_SERVERSTATUS']._serialized_end=2463
-  _globals['_GENERATION']._serialized_start=2612
-  _globals['_GENERATION']._serialized_end=2937
+  _globals['_GENERATEREQUEST']._serialized_end=1361
+  _globals['_USAGE']._serialized_start=1363
+  _globals['_USAGE']._serialized_end=1450
+  _globals['_TOKENLOGPROB']._serialized_start=1452
+  _globals['_TOKENLOGPROB']._serialized_end=1554
+  _globals['_TOPLOGPROB']._serialized_start=1556
+  _globals['_TOPLOGPROB']._serialized_end=1603
+  _globals['_GENERATERESPONSE']._serialized_start=1606
+  _globals['_GENERATERESPONSE']._serialized_end=1941
+  _globals['_TOKENIZEREQUEST']._serialized_start=1944
+  _globals['_TOKENIZEREQUEST']._serialized_end=2075
+  _globals['_TOKENIZERESPONSE']._serialized_start=2077
+  _globals['_TOKENIZERESPONSE']._serialized_end=2128
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2130
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2151
+  _globals['_MODELINFO']._serialized_start=2154
+  _globals['_MODELINFO']._serialized_end=2376
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_start=2378
+  _globals['_GETSERVERSTATUSREQUEST']._serialized_end=2402
+  _globals['_SERVERSTATUS']._serialized_start=2405
+  _globals['_SERVERSTATUS']._serialized_end=2546
+  _globals['_GENERATION']._serialized_start=2695
+  _globals['_GENERATION']._serialized_end=3020
 # @@protoc_insertion_point(module_scope)
