@@ -67,10 +67,11 @@ class Tokenizer:
         return False
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str:
+               spaces_between_special_tokens: bool = False) -> str:
         """vLLM's text: special tokens left out, or (skip_special_tokens=False) each decoded as a segment
         of its own, the segments joined by a space when spaces_between_special_tokens (as HuggingFace's
-        slow tokenizers do; a fast tokenizer has no such option)."""
+        slow tokenizers do; a fast tokenizer has no such option). The default is the plain text the
+        tokens stand for; outputs pass their request's SamplingParams value (True unless set)."""
         if skip_special_tokens or self._special.keys().isdisjoint(token_ids):
             return self._decode(token_ids, skip_special_tokens)
         segments, start = [], 0

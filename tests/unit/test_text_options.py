@@ -35,11 +35,13 @@ def one_by_one(stream: TextStream, ids: list[int], ended_by_token: bool = False)
 def test_special_tokens_skipped_or_spaced_as_vllm_does(tok):
     ids = tok.encode("Hello<|im_end|><|im_start|>world")
     assert tok.decode(ids) == tok.decode(ids, spaces_between_special_tokens=False) == "Helloworld"
-    assert tok.decode(ids, skip_special_tokens=False) == "Hello <|im_end|> <|im_start|> world"
-    assert tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == \
-        "Hello<|im_end|><|im_start|>world"
+    assert tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=True) == \
+        "Hello <|im_end|> <|im_start|> world"
+    # Without the option (the default of a plain decode), the tokens' own text.
+    assert tok.decode(ids, skip_special_tokens=False) == "Hello<|im_end|><|im_start|>world"
     im_end = tok.encode("<|im_end|>")
-    assert tok.decode(im_end + im_end, skip_special_tokens=False) == "<|im_end|> <|im_end|>"
+    assert tok.decode(im_end + im_end, skip_special_tokens=False, spaces_between_special_tokens=True) == \
+        "<|im_end|> <|im_end|>"
 
 
 @pytest.mark.parametrize("skip", [True, False])
