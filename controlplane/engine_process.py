@@ -53,7 +53,7 @@ def outputs_event(batch: list[Delivery]) -> link.Outputs:
                                for x in item.prompt_logprobs]
         items.append(link.Delta(stream.request_id, item.token_ids, item.finished, reason, item.num_prompt_tokens,
                                 item.num_completion_tokens, item.num_cached_tokens, item.index, logprobs,
-                                prompt_logprobs, item.stop_reason))
+                                prompt_logprobs, item.stop_reason, item.queue_seconds))
     return link.Outputs(items)
 
 

@@ -52,6 +52,7 @@ class Output:
     logprobs: list[Logprob] | None = None  # one per entry of token_ids, when the request asked
     prompt_logprobs: list[Logprob | None] | None = None  # the whole prompt's (None for token 0), once, on sample 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+    queue_seconds: float | None = None  # from arrival to first admission, on sample 0's first token (tracing)
 
     @classmethod
     def of(cls, request_id: str | int, seq: EngineSequence, token_ids: list[int]) -> Output:
@@ -65,6 +66,8 @@ class Output:
         # Once, with sample 0's first token: prefill is complete by then, so the list is whole.
         if seq.prompt_logprobs is not None and seq.sample_index == 0 and token_ids and seq.num_completion_tokens == 1:
             out.prompt_logprobs = seq.prompt_logprobs
+        if token_ids and seq.num_completion_tokens == 1:
+            out.queue_seconds = seq.queue_seconds
         return out
 
     def merge(self, later: Output) -> None:
@@ -73,6 +76,7 @@ class Output:
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        self.queue_seconds = self.queue_seconds if self.queue_seconds is not None else later.queue_seconds
         self.stop_reason = later.stop_reason
         self.finished, self.finish_reason = later.finished, later.finish_reason
         self.num_completion_tokens = later.num_completion_tokens

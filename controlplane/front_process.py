@@ -365,7 +365,8 @@ class ProcessFront:
                 continue
             reason = FinishReason(item.finish_reason) if item.finish_reason is not None else None
             out = Output(stream.request_id, item.token_ids, item.finished, reason, item.num_prompt_tokens,
-                         item.num_completion_tokens, item.num_cached_tokens, item.index, None, None, item.stop_reason)
+                         item.num_completion_tokens, item.num_cached_tokens, item.index, None, None, item.stop_reason,
+                         item.queue_seconds)
             if item.logprobs is not None:  # only requests that asked pay for the conversion
                 out.logprobs = [Logprob(x.token_id, x.logprob, x.rank, x.top) for x in item.logprobs]
             if item.prompt_logprobs is not None:

@@ -16,6 +16,7 @@ from nanoplane.controlplane.metrics import RequestMetrics
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
 from nanoplane.controlplane.tokenizer import Tokenizer
+from nanoplane.controlplane.tracing import NO_TRACE, RequestTrace
 from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
 
 # Bounds on what one request may ask of the event loop that serves every stream (each stop string
@@ -86,24 +87,33 @@ class SampleStreams:
         self.first = True
 
     async def run(self, front: EngineFront, token_ids: Sequence[int], timeout_s: float | None,
-                  measure: RequestMetrics) -> AsyncIterator[tuple[Output, pb.GenerateResponse]]:
+                  measure: RequestMetrics, trace: RequestTrace = NO_TRACE
+                  ) -> AsyncIterator[tuple[Output, pb.GenerateResponse]]:
         """Run the request on `front`: each engine output with its sample's message, until every sample
         has ended (either protocol's servicer reshapes the message). Closing this early (client gone,
         error) closes the engine stream, which aborts the request and frees its blocks within a step;
-        a stop string that ends one sample of several ends it in the engine while the others go on."""
-        async with aclosing(front.generate(token_ids, self.params, self.request_id, timeout_s)) as outputs:
-            async for out in outputs:
-                response, stopped = self.response(out)
-                if response is None:  # a sample a stop string ended: the engine's tokens past it are dropped
-                    continue
-                # The request's metrics end with its last sample.
-                measure.output(out if self.done or not response.finish_reason
-                               else dataclasses.replace(out, finished=False), stopped and self.done)
-                yield out, response
-                if self.done:
-                    return
-                if stopped:  # one sample of several: the others go on, this one ends in the engine now
-                    front.stop_sample(self.request_id, out.index, response.stop_string)
+        a stop string that ends one sample of several ends it in the engine while the others go on.
+        `trace`: its spans (tracing.py), ended with the request however it ends."""
+        trace.submitted(self.request_id, self.params)
+        try:
+            async with aclosing(front.generate(token_ids, self.params, self.request_id, timeout_s)) as outputs:
+                async for out in outputs:
+                    response, stopped = self.response(out)
+                    if response is None:  # a sample a stop string ended: the engine's tokens past it are dropped
+                        continue
+                    # The request's metrics end with its last sample.
+                    measure.output(out if self.done or not response.finish_reason
+                                   else dataclasses.replace(out, finished=False), stopped and self.done)
+                    trace.output(out, stopped)
+                    yield out, response
+                    if self.done:
+                        break
+                    if stopped:  # one sample of several: the others go on, this one ends in the engine now
+                        front.stop_sample(self.request_id, out.index, response.stop_string)
+        except BaseException as exc:  # GeneratorExit too: the client went away
+            trace.end(exc)
+            raise
+        trace.end()
 
     @property
     def done(self) -> bool:

@@ -25,6 +25,7 @@ from nanoplane.controlplane.metrics import NO_REQUEST_METRICS, Metrics
 from nanoplane.controlplane.reflection import enable_reflection
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.tokenizer import Tokenizer
+from nanoplane.controlplane.tracing import NO_TRACE, Tracing
 from nanoplane.proto.nanoplane.v1 import generation_pb2 as pb
 from nanoplane.proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
@@ -53,9 +54,11 @@ _CLOSING_S = 3.0
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, metrics: Metrics | None = None):
+    def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, metrics: Metrics | None = None,
+                 tracing: Tracing | None = None):
         self.front = front
         self.metrics = metrics
+        self.tracing = tracing  # OpenTelemetry spans of each Generate call (tracing.py); None: off
         self.tokenizer = tokenizer
         self.model_name = model_name
         # No token covers more characters than its vocabulary entry has (byte-level entries spell
@@ -125,6 +128,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateResponse]:
         measure = self.metrics.request() if self.metrics is not None else NO_REQUEST_METRICS
+        trace = self.tracing.request(context) if self.tracing is not None else NO_TRACE
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidField("request_id", f"request_id is {len(request.request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_CHARS} are allowed")
@@ -134,7 +138,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
         # The call's deadline, as seconds left now; the engine drops the request if it is still queued then.
         # aclosing: leaving for any reason (client gone, error) aborts the request at once (SampleStreams.run).
-        async with aclosing(samples.run(self.front, token_ids, context.time_remaining(), measure)) as messages:
+        async with aclosing(samples.run(self.front, token_ids, context.time_remaining(), measure, trace)) as messages:
             async for _, response in messages:
                 yield response
 
@@ -180,14 +184,16 @@ class GenerationServer:
 
     def __init__(self, front: EngineFront, tokenizer: Tokenizer, model_name: str, address: str = "127.0.0.1:0",
                  options: list[tuple[str, object]] | None = None, security: ServerSecurity | None = None,
-                 metrics: Metrics | None = None, services: list[AddService] = ()):
+                 metrics: Metrics | None = None, services: list[AddService] = (), tracing: Tracing | None = None):
         """`metrics`: the registry to keep up to date (controlplane/metrics.py); its HTTP server is the caller's.
-        `services`: more protocols on the same port (health and reflection list them too)."""
+        `services`: more protocols on the same port (health and reflection list them too).
+        `tracing`: OpenTelemetry spans of each request (tracing.py); its shutdown is the caller's."""
         self.services = list(services)
         self.service_names = [SERVICE]
         self.front = front
         self.security = security  # TLS, mTLS and bearer tokens (security.py); None: plaintext, open
         self.metrics = metrics
+        self.tracing = tracing
         if metrics is not None:
             metrics.attach(front)
         self.tokenizer = tokenizer
@@ -205,7 +211,7 @@ class GenerationServer:
         auth = self.security.interceptors() if self.security else []
         counting = [self.metrics.interceptor] if self.metrics is not None else []  # outermost: sees the final status
         server = grpc.aio.server(interceptors=[*counting, *auth, ExceptionToStatusInterceptor()], options=self.options)
-        servicer = GenerationServicer(self.front, self.tokenizer, self.model_name, self.metrics)
+        servicer = GenerationServicer(self.front, self.tokenizer, self.model_name, self.metrics, self.tracing)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         self.service_names = [SERVICE] + [add(server, servicer) for add in self.services]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -175,8 +175,9 @@ class Scheduler:
                 if seq.num_completion_tokens == 0:
                     seq.num_cached_prompt_tokens = seq.num_computed_tokens
                 if seq.queued_since is not None:
+                    seq.queue_seconds = time.monotonic() - seq.queued_since
                     if self.queue_times is not None:
-                        self.queue_times.append(time.monotonic() - seq.queued_since)
+                        self.queue_times.append(seq.queue_seconds)
                     seq.queued_since = None
             if seq.slot < 0:
                 seq.slot = self.free_slots.pop()

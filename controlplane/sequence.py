@@ -71,6 +71,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.queued_since: float | None = time.monotonic()  # None once first admitted (the queue-time metric)
         self.deadline: float | None = None  # time.monotonic() by which it must be admitted; None: no deadline
+        self.queue_seconds: float | None = None  # from arrival to first admission, once admitted (tracing)
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.sample_index = 0  # which of its request's n samples this is
         self.group: list[Sequence] = [self]  # every sample of the request, sample 0 first

@@ -31,6 +31,7 @@ from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.security import ServerSecurity
 from nanoplane.controlplane.supervisor import DataPlaneSupervisor
 from nanoplane.controlplane.tokenizer import Tokenizer
+from nanoplane.controlplane.tracing import Tracing
 from nanoplane.controlplane.vllm_servicer import vllm_service
 from nanoplane.plane_keys import plane_security
 from nanoplane.process import configure_logging, freeze_startup_objects
@@ -47,13 +48,13 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
                  model_name: str | None = None, recover: Callable[[Engine | None], Engine | None] | None = None,
                  recover_interval_s: float = 1.0, attach_now: bool = True,
                  attach_timeout_s: float = 2.0, security: ServerSecurity | None = None,
-                 metrics: Metrics | None = None) -> GenerationServer:
+                 metrics: Metrics | None = None, tracing: Tracing | None = None) -> GenerationServer:
     """Tokenizer + in-process engine front + server, not yet started.
 
     attach_now: build the Engine here, which waits for the data plane (slow); otherwise the server
     starts at once, answers NOT_SERVING, and the engine thread attaches the data plane when it comes.
     recover: see EngineLoop; by default a new Engine over the same data-plane client, each attempt
-    waiting at most attach_timeout_s for ranks to report ready. metrics: see GenerationServer.
+    waiting at most attach_timeout_s for ranks to report ready. metrics, tracing: see GenerationServer.
     """
     tokenizer = Tokenizer(config.model)
 
@@ -64,13 +65,14 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
     name = model_name or Path(config.model).name
     front = InProcessFront(engine, recover or attach, recover_interval_s, buffer_size(config))
     return GenerationServer(front, tokenizer, name, address, security=security, metrics=metrics,
-                            services=[vllm_service(config, name)])
+                            services=[vllm_service(config, name)], tracing=tracing)
 
 
 def build_process_server(config: EngineConfig, data_plane_address: str, address: str = "127.0.0.1:0",
                          model_name: str | None = None, recover_interval_s: float = 1.0,
                          attach_timeout_s: float = 2.0, security: ServerSecurity | None = None,
-                         metrics: Metrics | None = None, plane_keys: str = "") -> GenerationServer:
+                         metrics: Metrics | None = None, plane_keys: str = "",
+                         tracing: Tracing | None = None) -> GenerationServer:
     """build_server with the engine in its own process: the data plane attaches to the engine process
     at `data_plane_address` (which that process binds, with CURVE when `plane_keys` names a folder)."""
     tokenizer = Tokenizer(config.model)
@@ -78,17 +80,22 @@ def build_process_server(config: EngineConfig, data_plane_address: str, address:
                          plane_keys)
     name = model_name or Path(config.model).name
     return GenerationServer(front, tokenizer, name, address, security=security, metrics=metrics,
-                            services=[vllm_service(config, name)])
+                            services=[vllm_service(config, name)], tracing=tracing)
 
 
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
                  ready: threading.Event | None = None, on_data_plane_ready: Callable[[bool], None] | None = None,
                  security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None,
-                 plane_keys: str = "") -> None:
+                 plane_keys: str = "", traces_endpoint: str | None = None) -> None:
     """`data_plane`: the socket ranks attach to (NANOPLANE_ENGINE_PROCESS=0), or the address that the
     engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes.
-    `metrics_address`: (host, port) of the Prometheus endpoint; None: no metrics."""
+    `metrics_address`: (host, port) of the Prometheus endpoint; None: no metrics. `traces_endpoint`: the
+    OTLP collector of the requests' spans; None: no tracing, and OpenTelemetry is never imported."""
     set_gil_switch_interval()
+    tracing = None
+    if traces_endpoint:  # first too: a missing extra is refused before anything starts
+        tracing = Tracing(traces_endpoint, Path(config.model).name)
+        log.info("OpenTelemetry traces to %s", traces_endpoint)
     metrics = Metrics(Path(config.model).name) if metrics_address is not None else None
     if metrics is not None:  # first: a port in use is refused before anything starts
         host, wanted = metrics_address
@@ -101,10 +108,11 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
     if isinstance(data_plane, str):
         server = build_process_server(config, data_plane, address, security=security, metrics=metrics,
-                                      plane_keys=plane_keys)
+                                      plane_keys=plane_keys, tracing=tracing)
         plane_address = data_plane
     else:
-        server = build_server(config, data_plane, address, attach_now=False, security=security, metrics=metrics)
+        server = build_server(config, data_plane, address, attach_now=False, security=security, metrics=metrics,
+                              tracing=tracing)
         plane_address = data_plane.address
     if on_data_plane_ready is not None:
         server.front.add_ready_listener(on_data_plane_ready)
@@ -130,25 +138,28 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     await server.stop(grace=5.0)
     if metrics is not None:
         metrics.close()
+    if tracing is not None:  # exports what is still batched
+        await asyncio.to_thread(tracing.shutdown)
     waiter.cancel()
     stopper.cancel()
 
 
 def run_controlplane(config: EngineConfig, bind: str, address: str, security: ServerSecurity | None = None,
                      metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
-                     insecure_plane: bool = False) -> int:
+                     insecure_plane: bool = False, traces_endpoint: str | None = None) -> int:
     """ValueError (before anything starts) for a tcp:// `bind` without `plane_keys` unless `insecure_plane`."""
     configure_logging("controlplane")
     keys = plane_security(bind, plane_keys, insecure_plane, "control plane")
     if engine_process_enabled():
         log.info("waiting for a data plane to connect to %s (engine process)", bind)
         asyncio.run(_serve(config, bind, address, security=security, metrics_address=metrics_address,
-                           plane_keys=plane_keys or ""))
+                           plane_keys=plane_keys or "", traces_endpoint=traces_endpoint))
         return 0
     data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size, keys=keys)
     log.info("waiting for a data plane to connect to %s", data_plane.address)
     try:
-        asyncio.run(_serve(config, data_plane, address, security=security, metrics_address=metrics_address))
+        asyncio.run(_serve(config, data_plane, address, security=security, metrics_address=metrics_address,
+                           traces_endpoint=traces_endpoint))
     finally:
         data_plane.close()
     return 0
@@ -156,7 +167,7 @@ def run_controlplane(config: EngineConfig, bind: str, address: str, security: Se
 
 def run_serve(config: EngineConfig, address: str, bind: str | None = None, security: ServerSecurity | None = None,
               metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
-              insecure_plane: bool = False) -> int:
+              insecure_plane: bool = False, traces_endpoint: str | None = None) -> int:
     """Both planes on this host: the control plane here, the data plane in a supervised child."""
     configure_logging("serve")
     keys = plane_security(bind or "", plane_keys, insecure_plane, "control plane")
@@ -171,7 +182,8 @@ def run_serve(config: EngineConfig, address: str, bind: str | None = None, secur
     supervisor.start()
     try:
         asyncio.run(_serve(config, data_plane or bind, address, on_data_plane_ready=supervisor.on_ready,
-                           security=security, metrics_address=metrics_address, plane_keys=plane_keys or ""))
+                           security=security, metrics_address=metrics_address, plane_keys=plane_keys or "",
+                           traces_endpoint=traces_endpoint))
     finally:
         supervisor.stop()
         if data_plane is not None:

@@ -34,6 +34,7 @@ from nanoplane.controlplane.grpc_sampling import SampleStreams
 from nanoplane.controlplane.grpc_server import MAX_REQUEST_ID_CHARS, AddService, GenerationServicer
 from nanoplane.controlplane.kv_events import KvEventsOff
 from nanoplane.controlplane.metrics import NO_REQUEST_METRICS
+from nanoplane.controlplane.tracing import NO_TRACE
 from nanoplane.controlplane.vllm_kv_events import relay
 from nanoplane.controlplane.vllm_requests import (
     VllmResponses,
@@ -100,6 +101,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def Generate(self, request: vpb.GenerateRequest, context) -> AsyncIterator[vpb.GenerateResponse]:
         self._last_receive = time.time()
         measure = self.nano.metrics.request() if self.nano.metrics is not None else NO_REQUEST_METRICS
+        trace = self.nano.tracing.request(context) if self.nano.tracing is not None else NO_TRACE
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id is {len(request.request_id)} characters long; at most "
                              f"{MAX_REQUEST_ID_CHARS} are allowed")
@@ -111,7 +113,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
         responses = VllmResponses(token_ids, params, request.stream)
         # aclosing: leaving for any reason (client gone, error) aborts the request at once (SampleStreams.run).
-        async with aclosing(samples.run(self.front, token_ids, context.time_remaining(), measure)) as outputs:
+        async with aclosing(samples.run(self.front, token_ids, context.time_remaining(), measure, trace)) as outputs:
             async for out, response in outputs:
                 for message in responses.messages(out, response):
                     yield message

@@ -133,7 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = metrics_address(args)  # refused before the model is looked for
     security = server_security(args)
     return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, security=security,
-                     metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane)
+                     metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane,
+                     traces_endpoint=args.otlp_traces_endpoint)
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
@@ -142,7 +143,8 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     metrics = metrics_address(args)
     security = server_security(args)
     return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", security=security,
-                            metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane)
+                            metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane,
+                            traces_endpoint=args.otlp_traces_endpoint)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

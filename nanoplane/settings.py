@@ -136,6 +136,8 @@ OPTIONS: tuple[Option, ...] = (
            frozenset({"serve", "controlplane"})),
     Option("metrics_host", str, None, "address of the /metrics endpoint (none: the gRPC API's --host)",
            frozenset({"serve", "controlplane"})),
+    Option("otlp_traces_endpoint", str, None, "OTLP/gRPC collector of each request's OpenTelemetry spans, e.g. "
+           "http://127.0.0.1:4317 (none: off; needs pip install 'nanoplane[tracing]')", _SERVING),
     Option("bind", str, None, "ZeroMQ endpoint data planes connect to (serve: a private ipc:// socket)",
            frozenset({"serve", "controlplane"}), defaults={"controlplane": "tcp://127.0.0.1:5555"}),
     # The plane link's security (nanoplane/plane_keys.py).

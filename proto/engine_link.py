@@ -139,6 +139,7 @@ class Delta(msgspec.Struct, frozen=True, tag=True, array_like=True):
     logprobs: list[Logprob] | None = None  # one per entry of token_ids, when the request asked
     prompt_logprobs: list[Logprob | None] | None = None  # the prompt's (None for token 0), once, on sample 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+    queue_seconds: float | None = None  # from arrival to first admission, on the first token (tracing)
 
 
 # Failure kinds, each raised as its own class on the serving side.
