@@ -12,6 +12,7 @@ OpenTelemetry work, and nothing of `opentelemetry` is imported while tracing is 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -105,8 +106,9 @@ class RequestTrace:
                       "nanoplane.usage.cached_input_tokens": self._cached,
                       "gen_ai.response.finish_reasons": [self._reasons[i] for i in sorted(self._reasons)]}
         span = tracing.tracer.start_span(SPAN, parent, SpanKind.SERVER, attributes, start_time=self._arrived)
-        if error is not None:
-            span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))  # GeneratorExit: cancelled
+        if error is not None:  # GeneratorExit: the stream was closed under the request (the client went away)
+            reason = "cancelled" if isinstance(error, GeneratorExit | asyncio.CancelledError) else str(error)
+            span.set_status(Status(StatusCode.ERROR, reason or type(error).__name__))
         first, submitted = self._first, self._submitted
         if first is not None:  # no token came (failed, cancelled, expired in the queue): no phases known
             admitted = first if self._queue_s is None else min(first, submitted + int(self._queue_s * 1e9))

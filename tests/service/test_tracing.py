@@ -139,6 +139,16 @@ def test_both_protocols_export_spans_under_the_callers_traceparent(model, engine
             assert nano["gen_ai.request.top_p"] == pytest.approx(0.9) and nano["gen_ai.request.seed"] == 7
             vllm = check_request_spans(collector.trace(vllm_trace, 4), vllm_trace, vllm_parent, "traced-vllm")
             assert vllm["gen_ai.request.temperature"] == 0.0
+            cancelled_trace, _, metadata = traceparent()
+            long = pb.GenerateRequest(request_id="cancelled", token_ids=pb.TokenIds(ids=PROMPT),
+                                      sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+            call = pb_grpc.GenerationStub(channel).Generate(long, metadata=metadata, timeout=60)
+            next(call)
+            call.cancel()
+            spans = {s.name: s for s in collector.trace(cancelled_trace, 4)}
+            assert spans["nanoplane.generate"].status.code == 2  # STATUS_CODE_ERROR
+            assert spans["nanoplane.generate"].status.message == "cancelled"
+            assert attributes(spans["nanoplane.generate"])["gen_ai.response.finish_reasons"] == []
             # Without a traceparent the request's span is a root of a trace of its own.
             deadline = time.monotonic() + 30
             while not (roots := [s for s in list(collector.spans)
