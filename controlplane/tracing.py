@@ -38,8 +38,9 @@ class Tracing:
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         except ImportError as exc:
             raise ValueError(f"--otlp-traces-endpoint needs OpenTelemetry ({_EXTRA}): {exc}") from None
-        # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, when set, win over the default name.
-        resource = Resource.create({SERVICE_NAME: service_name}).merge(Resource.create())
+        resource = Resource.create()  # OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):  # neither names it
+            resource = resource.merge(Resource({SERVICE_NAME: service_name}))
         self.provider = TracerProvider(resource=resource)
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("nanoplane")

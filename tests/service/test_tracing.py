@@ -114,8 +114,11 @@ def check_request_spans(spans: list, trace_id: bytes, parent_span_id: bytes, req
 @pytest.mark.parametrize("engine_process", ["1", "0"], ids=["engine-process", "in-process"])
 def test_both_protocols_export_spans_under_the_callers_traceparent(model, engine_process):
     collector = Collector()
-    env = {**os.environ, "NANOPLANE_ENGINE_PROCESS": engine_process, "OTEL_BSP_SCHEDULE_DELAY": "100",
-           "OTEL_SERVICE_NAME": "nanoplane-under-test"}
+    env = {**os.environ, "NANOPLANE_ENGINE_PROCESS": engine_process, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    env.pop("OTEL_SERVICE_NAME", None)
+    service = "nanoplane" if engine_process == "0" else "nanoplane-under-test"  # the default, or the SDK's variable
+    if engine_process == "1":
+        env["OTEL_SERVICE_NAME"] = service
     try:
         with serve_in_background(["--model", model, "--device", "cpu", "--otlp-traces-endpoint",
                                   f"http://127.0.0.1:{collector.port}"], 120, cwd=ROOT, env=env) as (address, _), \
@@ -158,7 +161,7 @@ def test_both_protocols_export_spans_under_the_callers_traceparent(model, engine
             assert roots[0].parent_span_id == b"" and roots[0].trace_id not in (nano_trace, vllm_trace)
     finally:
         collector.server.stop(0)
-    assert collector.resources and all(r["service.name"] == "nanoplane-under-test" for r in collector.resources)
+    assert collector.resources and all(r["service.name"] == service for r in collector.resources)
 
 
 def test_tracing_off_imports_nothing_of_opentelemetry(model):
