@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 from nanoplane.controlplane.detokenizer import TextStream, ended_by_token
-from nanoplane.controlplane.front import Output
+from nanoplane.controlplane.front import EngineFront, Output
+from nanoplane.controlplane.metrics import RequestMetrics
 from nanoplane.controlplane.sampling_params import SamplingParams
 from nanoplane.controlplane.sequence import FinishReason, Logprob
 from nanoplane.controlplane.tokenizer import Tokenizer
@@ -79,17 +81,29 @@ class SampleStreams:
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams):
         self.request_id, self.params = request_id, params
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.samples = [_Sample(TextStream.for_params(tokenizer, prompt_ids, params)) for _ in range(params.n)]
         self.left = params.n  # samples whose last message is still to come
         self.first = True
 
-    def _ended_by_token(self, out: Output) -> bool:
-        """Whether out's last token is the end-of-sequence or stop id that ended its sample (its text is
-        then left out). A structured sample whose grammar completed ends as EOS on a token of its text."""
-        if not ended_by_token(out.finish_reason, out.stop_reason) or not out.token_ids:
-            return False
-        return out.finish_reason is not FinishReason.EOS or out.token_ids[-1] in self.eos_token_ids
+    async def run(self, front: EngineFront, token_ids: Sequence[int], timeout_s: float | None,
+                  measure: RequestMetrics) -> AsyncIterator[tuple[Output, pb.GenerateResponse]]:
+        """Run the request on `front`: each engine output with its sample's message, until every sample
+        has ended (either protocol's servicer reshapes the message). Closing this early (client gone,
+        error) closes the engine stream, which aborts the request and frees its blocks within a step;
+        a stop string that ends one sample of several ends it in the engine while the others go on."""
+        async with aclosing(front.generate(token_ids, self.params, self.request_id, timeout_s)) as outputs:
+            async for out in outputs:
+                response, stopped = self.response(out)
+                if response is None:  # a sample a stop string ended: the engine's tokens past it are dropped
+                    continue
+                # The request's metrics end with its last sample.
+                measure.output(out if self.done or not response.finish_reason
+                               else dataclasses.replace(out, finished=False), stopped and self.done)
+                yield out, response
+                if self.done:
+                    return
+                if stopped:  # one sample of several: the others go on, this one ends in the engine now
+                    front.stop_sample(self.request_id, out.index, response.stop_string)
 
     @property
     def done(self) -> bool:
@@ -102,7 +116,9 @@ class SampleStreams:
         sample = self.samples[out.index]
         if sample.ended:
             return None, False
-        text = sample.text.push(out.token_ids, out.finished, out.finished and self._ended_by_token(out))
+        # An end-of-sequence or stop id that ended the sample stays in token_ids; its text is left out.
+        text = sample.text.push(out.token_ids, out.finished,
+                                out.finished and ended_by_token(out.finish_reason, out.stop_reason))
         stopped = sample.text.stopped
         response = pb.GenerateResponse(request_id=self.request_id, token_ids=out.token_ids, index=out.index)
         if out.logprobs:

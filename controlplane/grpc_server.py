@@ -9,7 +9,6 @@ in its own; this module only converts between protobuf and engine types and turn
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -130,23 +129,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         token_ids = await self._prompt_ids(request)
         request_id = request.request_id or uuid.uuid4().hex
         samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
-        # aclosing: leaving this block for any reason (client gone, stop string, error) closes the
-        # engine stream at once, which aborts the request and frees its blocks within a step.
         # The call's deadline, as seconds left now; the engine drops the request if it is still queued then.
-        timeout_s = context.time_remaining()
-        async with aclosing(self.front.generate(token_ids, params, request_id, timeout_s)) as outputs:
-            async for out in outputs:
-                response, stopped = samples.response(out)
-                if response is None:  # a sample a stop string ended: the engine's tokens past it are dropped
-                    continue
-                # The request's metrics end with its last sample.
-                measure.output(out if samples.done or not response.finish_reason
-                               else dataclasses.replace(out, finished=False), stopped and samples.done)
+        # aclosing: leaving for any reason (client gone, error) aborts the request at once (SampleStreams.run).
+        async with aclosing(samples.run(self.front, token_ids, context.time_remaining(), measure)) as messages:
+            async for _, response in messages:
                 yield response
-                if samples.done:
-                    return
-                if stopped:  # one sample of several: the others go on, this one ends in the engine now
-                    self.front.stop_sample(request_id, out.index, response.stop_string)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         kind = request.WhichOneof("input")

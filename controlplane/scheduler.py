@@ -310,6 +310,8 @@ class Scheduler:
     def _refused_by_grammar(self, seq: Sequence, token_id: int) -> bool:
         """Advance seq's matcher; a token its mask did not allow (a data plane that ignored the mask)
         ends it with ABORT, since no output after it can match."""
+        if seq.grammar.matcher is None:  # preempted while this token was in flight: catch up first
+            seq.grammar.ensure(seq.completion_token_ids[:-1])
         if seq.grammar.accept(token_id):
             return False
         log.warning("request %d: sampled token %d is outside its grammar (%s); aborting it",
@@ -347,8 +349,10 @@ class Scheduler:
             if (token_id in self.eos_token_ids or token_id in seq.stop_ids) and self._stop_token(seq, token_id):
                 continue
             if seq.grammar is not None and seq.grammar.is_stopped:
-                # Complete: the grammar allows only end-of-sequence now, so it ends as if sampled (not added).
-                self.finish(seq, FinishReason.EOS)
+                # Complete: the grammar allows only end-of-sequence now. It ends here, that token unsampled,
+                # as STOP with no stop_reason: vLLM's finish_reason and stop_reason for it, and the last
+                # token's text stays (it is the grammar's, not an ending token's).
+                self.finish(seq, FinishReason.STOP)
             elif seq.num_completion_tokens >= seq.params.max_tokens:
                 self.finish(seq, FinishReason.LENGTH)
         return produced

@@ -19,7 +19,7 @@ class SequenceStatus(Enum):
 
 
 class FinishReason(Enum):
-    STOP = "stop"  # a stop token id or stop string (Sequence.stop_reason says which)
+    STOP = "stop"  # a stop token id or stop string (Sequence.stop_reason says which); None: a grammar completed
     EOS = "eos"  # the model's end-of-sequence token
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the caller or lost to a data-plane failure

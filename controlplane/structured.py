@@ -25,6 +25,7 @@ import asyncio
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,11 @@ def cache_key(structured: dict[str, Any]) -> tuple[str, str]:
     order is kept: the JSON grammar emits properties in the schema's order)."""
     kind, value = next(iter(structured.items()))
     if kind == "json_schema":
-        schema = json.loads(value) if isinstance(value, str) else value
-        return kind, json.dumps(schema, separators=(",", ":"))
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+            return kind, json.dumps(schema, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"invalid sampling parameter structured.json_schema: not a JSON document ({e})") from None
     if kind == "choice":
         return kind, json.dumps(list(value))
     if kind == "json_object":
@@ -92,13 +96,13 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles `SamplingParams.structured` for one tokenizer and vocabulary; thread-safe."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...] | list[int],
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: Iterable[int],
                  cache_size: int = CACHE_SIZE, threads: int = COMPILE_THREADS):
         """`vocab_size`: the model's (the logits' width), which may exceed the tokenizer's; ids past
         the tokenizer's vocabulary are never allowed."""
         self.model_dir = str(model_dir)
         self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -152,7 +156,12 @@ class GrammarCompiler:
         import llguidance
 
         grammar = grammar_text(*key)
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        try:
+            tokenizer = self._llg_tokenizer()
+        except Exception as e:  # a model folder whose tokenizer llguidance cannot read: refuse, never crash
+            raise ValueError(f"structured output is not available for this model: llguidance cannot use its "
+                             f"tokenizer ({type(e).__name__}: {e})") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid sampling parameter structured.{key[0]}: {_short(matcher.get_error())}")
         return CompiledGrammar(key, matcher)

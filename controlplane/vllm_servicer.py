@@ -110,20 +110,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         request_id = request.request_id or uuid.uuid4().hex
         samples = SampleStreams(request_id, self.tokenizer, token_ids, params)
         responses = VllmResponses(token_ids, params, request.stream)
-        # aclosing: leaving for any reason (client gone, stop string, error) aborts the request at once.
-        async with aclosing(self.front.generate(token_ids, params, request_id, context.time_remaining())) as outputs:
-            async for out in outputs:
-                response, stopped = samples.response(out)
-                if response is None:  # a sample a stop string ended: the engine's tokens past it are dropped
-                    continue
-                measure.output(out if samples.done or not response.finish_reason
-                               else dataclasses.replace(out, finished=False), stopped and samples.done)
+        # aclosing: leaving for any reason (client gone, error) aborts the request at once (SampleStreams.run).
+        async with aclosing(samples.run(self.front, token_ids, context.time_remaining(), measure)) as outputs:
+            async for out, response in outputs:
                 for message in responses.messages(out, response):
                     yield message
-                if samples.done:
-                    for message in responses.finals():
-                        yield message
-                    return
+        for message in responses.finals():
+            yield message
 
     async def Embed(self, request: vpb.EmbedRequest, context) -> vpb.EmbedResponse:
         raise NotImplementedError("Embed: embeddings are not supported by this engine (a generative model only)")

@@ -4,7 +4,7 @@ and validates against its schema, choices, a date regex, and abort mid-output.
 Every output must END inside max_tokens: the schemas bound every string (maxLength), array
 (maxItems) and integer (minimum/maximum), and numbers are asked of greedy rows only (a greedy small
 model writes short decimals); a grammar that is complete ends the request at once (finish reason
-EOS), so an output that parses as JSON is one whose grammar closed."""
+STOP, no stop_reason), so an output that parses as JSON is one whose grammar closed."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def test_fifty_prompts_give_json_that_validates_against_their_schemas(llm):
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, schema in zip(outs, schemas, strict=True):
         assert len(out["token_ids"]) < MAX_TOKENS, out["text"]
+        assert out.get("finish_reason", "stop") == "stop" and out.get("stop_reason") is None  # the grammar completed
         jsonschema.validate(json.loads(out["text"]), schema)
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 

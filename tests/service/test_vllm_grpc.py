@@ -322,3 +322,20 @@ def test_kv_events_off_answers_unimplemented(model):
         call = vllm_engine_pb2_grpc.VllmEngineStub(ch).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
         err = rpc_error(lambda: next(call))
         assert err.code() == grpc.StatusCode.UNIMPLEMENTED and "--kv-events on" in err.details()
+
+
+def test_each_of_n_samples_stops_on_its_stop_string(vllm, client, server):
+    ids = client.tokenize(PROMPTS[1])
+    samples = completes(generate(vllm, ids, ignore_eos=True, n=3, temperature=1.0, seed=2, max_tokens=24))
+    text = server.server.tokenizer.decode(list(samples[0].output_ids))
+    stop = next(piece for piece in (text[i:i + 2] for i in range(2, len(text) - 2))
+                if piece.strip() and "\ufffd" not in piece)
+    for stream in (False, True):
+        responses = generate(vllm, ids, stream=stream, ignore_eos=True, n=3, temperature=1.0, seed=2, max_tokens=24,
+                             stop=[stop])
+        done = {c.index: c for c in completes(responses)}
+        assert sorted(done) == [0, 1, 2]
+        assert done[0].finish_reason == "stop" and done[0].matched_stop_str == stop
+        for c in done.values():  # each ends on the stop string or runs to its length, on its own
+            assert (c.finish_reason, c.matched_stop_str) in (("stop", stop), ("length", ""))
+    wait_idle(client)

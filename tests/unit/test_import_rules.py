@@ -115,6 +115,9 @@ from nanoplane import SamplingParams
 from nanoplane.controlplane.tokenizer import Tokenizer
 tok = Tokenizer({str(tiny_models['qwen3'])!r})
 assert tok.decode(tok.encode("the quick brown fox")) == "the quick brown fox"
+from nanoplane.controlplane.structured import GrammarCompiler, SequenceGrammar  # llguidance: xgrammar loads torch
+grammars = GrammarCompiler({str(tiny_models['qwen3'])!r}, 512, [0])
+grammars.fill_masks([SequenceGrammar(grammars.compile({{"json_schema": {{"type": "object"}}}}))])
 print(heavy())
 assert not heavy(), heavy()
 """

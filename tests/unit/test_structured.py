@@ -60,6 +60,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
     ({"json_object": True}, '{"any":[1,2,{"x":null}]}', '[1]'),
     ({"regex": r"\d{4}-\d{2}-\d{2}"}, "2024-01-31", "24-1"),
     ({"choice": ["quick", "lazy dog"]}, "lazy dog", "lazy cat"),
+    ({"choice": ['say "hi"\\', "東京 🙂", "a|b"]}, "東京 🙂", "東x"),  # non-ASCII, lark syntax in a choice
+    ({"choice": ['say "hi"\\', "東京 🙂", "a|b"]}, 'say "hi"\\', "b"),  # quotes and a backslash
     ({"grammar": 'root ::= "the " ("fox" | "dog") " jumps"'}, "the dog jumps", "the cat"),  # GBNF
     ({"grammar": 'start: "the " animal\nanimal: "fox" | "dog"'}, "the fox", "the ox"),  # Lark
 ])
@@ -105,6 +107,7 @@ def test_masks_of_many_sequences_fill_their_own_rows(compiler):
     ({"grammar": "start: foo(\n"}, "Expected"),
     ({"grammar": "start: missing_rule"}, "missing_rule"),
     ({"json_schema": {"type": "objectx"}}, "objectx"),
+    ({"json_schema": {"type": "object", "default": {1, 2}}}, "not a JSON document"),
 ])
 def test_a_grammar_that_does_not_compile_is_a_readable_value_error(compiler, structured, words):
     kind = next(iter(structured))
@@ -178,3 +181,12 @@ def test_release_and_replay_give_the_same_state(compiler):
     assert g.matcher is None
     g.ensure(compiler.hf.encode(text, add_special_tokens=False))
     assert np.array_equal(compiler.fill_masks([g]), before)
+
+
+def test_a_model_without_a_usable_tokenizer_refuses_structured_output(tmp_path):
+    c = GrammarCompiler(tmp_path, MODEL_VOCAB, [0])
+    try:
+        with pytest.raises(ValueError, match="structured output is not available for this model"):
+            c.compile({"regex": "a"})
+    finally:
+        c.close()

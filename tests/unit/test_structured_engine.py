@@ -125,8 +125,8 @@ def test_grammar_rows_get_masks_and_sit_out_while_their_token_is_in_flight(model
     texts = [tok.decode(s.completion_token_ids) for s in grammar]
     assert re.fullmatch(DATE, texts[0]) and texts[1] in ("quick brown", "lazy dog")
     assert json.loads(texts[2]) in ({"ok": True}, {"ok": False})
-    # A complete grammar ends the output as its forced end-of-sequence would, without sampling it.
-    assert all(s.finish_reason is FinishReason.EOS for s in grammar)
+    # A complete grammar ends the output at once (its forced end-of-sequence unsampled): STOP, no stop_reason.
+    assert all(s.finish_reason is FinishReason.STOP and s.stop_reason is None for s in grammar)
     assert plain.finish_reason is FinishReason.LENGTH and plain.num_completion_tokens == 12
     slot_of = {r.request_id: r.slot for d in plane.descriptors for r in d.new_requests}
     prompt = len(tok.encode("the fox"))
@@ -162,11 +162,26 @@ def test_preemption_releases_the_matcher_and_readmission_replays_it(model_dir, t
     assert released and all(released)
     for s in seqs:
         text = tok.decode(s.completion_token_ids)
-        assert s.finish_reason in (FinishReason.EOS, FinishReason.LENGTH), s.finish_reason
-        if s.finish_reason is FinishReason.EOS:
+        assert s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), s.finish_reason
+        if s.finish_reason is FinishReason.STOP:
             assert set(json.loads(text)) == {"a", "b"}
         else:  # a prefix the grammar allows: the replayed matcher took every token
             assert s.grammar.num_tokens == 0 and text.startswith('{"a":"')
+
+
+def test_a_preempted_request_whose_token_is_in_flight_catches_up(model_dir, tok):
+    engine, plane = make_engine(model_dir, tok, 2)
+    seq = engine.add_request(tok.encode("the fox"), SamplingParams(max_tokens=20, structured={"regex": DATE}))
+    while not seq.num_completion_tokens:
+        engine.step()
+    engine.step()  # sends its next token's step
+    assert seq.num_pending == 1
+    engine.scheduler.running.remove(seq)  # as the scheduler does when the KV cache is full
+    engine.scheduler.preempt(seq)
+    assert seq.grammar.matcher is None
+    run(engine)
+    assert re.fullmatch(DATE, tok.decode(seq.completion_token_ids)) and seq.finish_reason is FinishReason.STOP
+    assert plane.held_back == 0
 
 
 def test_abort_mid_output_frees_blocks_and_grammar_state(model_dir, tok):
@@ -225,7 +240,7 @@ def test_the_engine_loop_compiles_before_the_add_and_reports_errors_to_the_strea
 
     outs = asyncio.run(main())
     text = tok.decode([t for o in outs for t in o.token_ids])
-    assert text in ("yes", "no") and outs[-1].finish_reason is FinishReason.EOS
+    assert text in ("yes", "no") and outs[-1].finish_reason is FinishReason.STOP
 
 
 def test_a_request_aborted_while_its_grammar_compiles_never_runs(model_dir, tok):
