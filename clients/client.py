@@ -39,6 +39,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ..proto.nanoplane.v1 import generation_pb2 as pb
 from ..proto.nanoplane.v1 import generation_pb2_grpc as pb_grpc
 
+# Health's readiness service: SERVING while requests can run (liveness, service "": the process works).
+READINESS = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+
 Prompt = str | Sequence[int] | Sequence[dict]  # text, token ids, or chat messages
 Pem = str | Path | bytes  # a file's path, or PEM bytes
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
@@ -259,8 +262,9 @@ class Client:
     def server_status(self) -> pb.ServerStatus:
         return self.stub.GetServerStatus(pb.GetServerStatusRequest(), metadata=self.metadata)
 
-    def health(self, service: str = "", timeout: float | None = None) -> str:
-        """"SERVING" while the server can run requests, "NOT_SERVING" while its data plane is down.
+    def health(self, service: str = READINESS, timeout: float | None = None) -> str:
+        """"SERVING" while the server can run requests, "NOT_SERVING" while its data plane is down or it
+        drains; `service=""`: liveness, SERVING while the process works.
         `timeout`: seconds before the call fails with DEADLINE_EXCEEDED (None: the channel's own)."""
         response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
                                           metadata=self.metadata)
@@ -350,7 +354,7 @@ class AsyncClient:
     async def server_status(self) -> pb.ServerStatus:
         return await self.stub.GetServerStatus(pb.GetServerStatusRequest(), metadata=self.metadata)
 
-    async def health(self, service: str = "") -> str:
+    async def health(self, service: str = READINESS) -> str:
         response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
                                                 metadata=self.metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

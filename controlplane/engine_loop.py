@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from nanoplane.controlplane.engine import Engine
 from nanoplane.controlplane.engine_stats import StatsReporter
-from nanoplane.controlplane.errors import DataPlaneUnavailable, DeadlineExceeded
+from nanoplane.controlplane.errors import SHUTTING_DOWN, DataPlaneUnavailable, DeadlineExceeded
 from nanoplane.controlplane.front import EngineFacts, EngineStats, EngineStatus, Output, Stream
 from nanoplane.controlplane.kv_events import KvEventTap, Publish
 from nanoplane.controlplane.scheduler import QueueFull
@@ -210,7 +210,7 @@ class EngineLoop:
                 for command in commands:
                     self._apply(command, deliveries)
                 if stopping:
-                    self._drop_all("the server is shutting down", deliveries)
+                    self._drop_all(SHUTTING_DOWN, deliveries)
                 if not stopping and self._recover_wait_s() == 0.0:
                     self._try_recover()
                 if not stopping and self._ready and self.engine.has_work():

@@ -46,6 +46,10 @@ class DataPlaneUnavailable(Exception):
     """The data plane is down or failed a step; requests cannot run until it is back."""
 
 
+# What a request still running when the server stops is told (after SIGTERM: when --drain-timeout passed).
+SHUTTING_DOWN = "the server is shutting down and this request did not finish in time (--drain-timeout); retry it"
+
+
 class DeadlineExceeded(Exception):
     """The request's deadline passed while it waited in the queue; it was dropped before prefill."""
 

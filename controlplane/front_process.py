@@ -47,7 +47,7 @@ import zmq
 
 from nanoplane.controlplane import runtime_dir
 from nanoplane.controlplane.config import EngineConfig
-from nanoplane.controlplane.errors import DataPlaneUnavailable, failure_error
+from nanoplane.controlplane.errors import SHUTTING_DOWN, DataPlaneUnavailable, failure_error
 from nanoplane.controlplane.front import (
     EngineFacts,
     EngineStats,
@@ -230,7 +230,7 @@ class ProcessFront:
         if self._reader is not None:
             self._reader.join(timeout)
         # Whatever the engine process did not end (it was killed, or never started) ends here.
-        self._call(self._fail_all, (DataPlaneUnavailable("the server is shutting down"), None))
+        self._call(self._fail_all, (DataPlaneUnavailable(SHUTTING_DOWN), None))
         self._commands.close(linger=0)
         self._events.close(linger=0)
         terminate(self._ctx, "engine-process")
@@ -260,7 +260,7 @@ class ProcessFront:
             except zmq.Again:  # no engine process connected (it died, and the next is starting)
                 raise DataPlaneUnavailable(self.unavailable_message()) from None
             except zmq.ZMQError:  # closed by shutdown: a stream ending late has nobody to tell
-                raise DataPlaneUnavailable("the server is shutting down") from None
+                raise DataPlaneUnavailable(SHUTTING_DOWN) from None
 
     def _read_events(self) -> None:
         poller = zmq.Poller()

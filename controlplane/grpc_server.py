@@ -9,6 +9,7 @@ in its own; this module only converts between protobuf and engine types and turn
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -51,6 +52,54 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 AddService = Callable[[grpc.aio.Server, "GenerationServicer"], str]
 # At shutdown, the time the streams still open after the grace get to send the engine's status.
 _CLOSING_S = 3.0
+LIVENESS = ""  # health's liveness service: the process works (readiness: each API's own service name)
+DRAINING = "the server is draining (shutting down): it takes no new requests; retry on another replica"
+_UNDRAINED = ("/grpc.health.", "/grpc.reflection.")  # always answered: probes and tools during a drain
+
+
+class DrainInterceptor(grpc.aio.ServerInterceptor):
+    """Counts the API calls in flight (long-lived subscriptions aside: the stop ends them) and, once
+    `refusing`, answers new ones UNAVAILABLE at once."""
+
+    def __init__(self):
+        self.in_flight = 0
+        self.refusing = False
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(_UNDRAINED) or "/Subscribe" in method:
+            return handler
+        common = dict(request_deserializer=handler.request_deserializer,
+                      response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(self._counted_unary(handler.unary_unary), **common)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(self._counted_stream(handler.unary_stream), **common)
+        return handler
+
+    def _counted_unary(self, behaviour: Callable) -> Callable:
+        async def unary(request, context: grpc.aio.ServicerContext):
+            if self.refusing:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            self.in_flight += 1
+            try:
+                return await behaviour(request, context)
+            finally:
+                self.in_flight -= 1
+        return unary
+
+    def _counted_stream(self, behaviour: Callable) -> Callable:
+        async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            if self.refusing:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            self.in_flight += 1
+            try:
+                async for response in behaviour(request, context):
+                    yield response
+            finally:
+                self.in_flight -= 1
+        return stream
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -203,6 +252,8 @@ class GenerationServer:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self.drain_interceptor = DrainInterceptor()
+        self.draining = False  # readiness NOT_SERVING whatever the data plane says
         self._health_tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     async def start(self) -> int:
@@ -210,7 +261,8 @@ class GenerationServer:
         # Every service: health and reflection too answer a body that does not parse with INVALID_ARGUMENT.
         auth = self.security.interceptors() if self.security else []
         counting = [self.metrics.interceptor] if self.metrics is not None else []  # outermost: sees the final status
-        server = grpc.aio.server(interceptors=[*counting, *auth, ExceptionToStatusInterceptor()], options=self.options)
+        server = grpc.aio.server(interceptors=[*counting, *auth, self.drain_interceptor,
+                                                            ExceptionToStatusInterceptor()], options=self.options)
         servicer = GenerationServicer(self.front, self.tokenizer, self.model_name, self.metrics, self.tracing)
         pb_grpc.add_GenerationServicer_to_server(servicer, server)
         self.service_names = [SERVICE] + [add(server, servicer) for add in self.services]
@@ -222,7 +274,9 @@ class GenerationServer:
         if self.port == 0:
             raise OSError(f"could not bind {self.address}")
         loop = asyncio.get_running_loop()
-        # Health follows the data plane: load balancers stop sending requests while it is down.
+        # Liveness is SERVING while the process works; readiness follows the data plane, so load balancers
+        # stop sending requests while it is down and a liveness probe never kills a control plane waiting for it.
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self.front.add_ready_listener(lambda ready: loop.call_soon_threadsafe(self._health_changed, ready))
         self.front.start()
         await self._set_health(self.front.data_plane_ready)
@@ -237,9 +291,27 @@ class GenerationServer:
         task.add_done_callback(self._health_tasks.discard)
 
     async def _set_health(self, ready: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self.service_names):
+        serving = ready and not self.draining
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.service_names:
             await self.health.set(name, status)
+
+    async def drain(self, delay: float, timeout: float) -> bool:
+        """SIGTERM's first step: readiness NOT_SERVING now (liveness stays SERVING) while calls are still
+        taken for `delay` s, so meshes and load balancers deregister the replica first; then new calls get
+        UNAVAILABLE and those in flight get `timeout` s to finish. True when they all did; then `stop()`."""
+        self.draining = True
+        await self._set_health(False)
+        log.info("draining: readiness NOT_SERVING; new requests refused in %g s", delay)
+        await asyncio.sleep(delay)
+        self.drain_interceptor.refusing = True
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.drain_interceptor.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.drain_interceptor.in_flight
+        if left:
+            log.warning("drain timeout (%g s): ending the %d requests still running", timeout, left)
+        return not left
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Refuse new calls, give running ones `grace` seconds, then stop the engine, which ends the

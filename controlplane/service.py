@@ -86,11 +86,13 @@ def build_process_server(config: EngineConfig, data_plane_address: str, address:
 async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, address: str,
                  ready: threading.Event | None = None, on_data_plane_ready: Callable[[bool], None] | None = None,
                  security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None,
-                 plane_keys: str = "", traces_endpoint: str | None = None) -> None:
+                 plane_keys: str = "", traces_endpoint: str | None = None, drain_delay: float = 5.0,
+                 drain_timeout: float = 30.0) -> None:
     """`data_plane`: the socket ranks attach to (NANOPLANE_ENGINE_PROCESS=0), or the address that the
     engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes.
     `metrics_address`: (host, port) of the Prometheus endpoint; None: no metrics. `traces_endpoint`: the
-    OTLP collector of the requests' spans; None: no tracing, and OpenTelemetry is never imported."""
+    OTLP collector of the requests' spans; None: no tracing, and OpenTelemetry is never imported.
+    `drain_delay`, `drain_timeout`: SIGTERM's graceful stop (GenerationServer.drain)."""
     set_gil_switch_interval()
     tracing = None
     if traces_endpoint:  # first too: a missing extra is refused before anything starts
@@ -123,43 +125,57 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
     freeze_startup_objects()
     if ready is not None:
         ready.set()
-    stop = asyncio.Event()
+    signals: asyncio.Queue[int] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not in the main thread
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
     if security is not None:  # SIGHUP: re-read the token file now (certificates: at every handshake)
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, security.reload)
     waiter = asyncio.create_task(server.wait_for_termination())
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    first = asyncio.create_task(signals.get())
+    await asyncio.wait([waiter, first], return_when=asyncio.FIRST_COMPLETED)
+    grace = 0.0
+    if first.done():  # the first signal drains; a second one stops at once
+        log.info("%s: draining (--drain-delay %g s, --drain-timeout %g s); signal again to stop at once",
+                 signal.Signals(first.result()).name, drain_delay, drain_timeout)
+        draining = asyncio.create_task(server.drain(drain_delay, drain_timeout))
+        second = asyncio.create_task(signals.get())
+        await asyncio.wait([draining, second], return_when=asyncio.FIRST_COMPLETED)
+        if second.done():
+            log.info("%s again: stopping at once", signal.Signals(second.result()).name)
+            draining.cancel()
+        else:
+            second.cancel()
+            grace = 0.1  # the handlers send their last messages, or the engine's status (drain timeout)
+    first.cancel()
     log.info("shutting down")
-    await server.stop(grace=5.0)
+    await server.stop(grace=grace)
     if metrics is not None:
         metrics.close()
     if tracing is not None:  # exports what is still batched
         await asyncio.to_thread(tracing.shutdown)
     waiter.cancel()
-    stopper.cancel()
 
 
 def run_controlplane(config: EngineConfig, bind: str, address: str, security: ServerSecurity | None = None,
                      metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
-                     insecure_plane: bool = False, traces_endpoint: str | None = None) -> int:
-    """ValueError (before anything starts) for a tcp:// `bind` without `plane_keys` unless `insecure_plane`."""
+                     insecure_plane: bool = False, traces_endpoint: str | None = None, **drain: float) -> int:
+    """ValueError (before anything starts) for a tcp:// `bind` without `plane_keys` unless `insecure_plane`.
+    `drain`: drain_delay and drain_timeout (_serve)."""
     configure_logging("controlplane")
     keys = plane_security(bind, plane_keys, insecure_plane, "control plane")
     if engine_process_enabled():
         log.info("waiting for a data plane to connect to %s (engine process)", bind)
         asyncio.run(_serve(config, bind, address, security=security, metrics_address=metrics_address,
-                           plane_keys=plane_keys or "", traces_endpoint=traces_endpoint))
+                           plane_keys=plane_keys or "", traces_endpoint=traces_endpoint, **drain))
         return 0
     data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size, keys=keys)
     log.info("waiting for a data plane to connect to %s", data_plane.address)
     try:
         asyncio.run(_serve(config, data_plane, address, security=security, metrics_address=metrics_address,
-                           traces_endpoint=traces_endpoint))
+                           traces_endpoint=traces_endpoint, **drain))
     finally:
         data_plane.close()
     return 0
@@ -167,8 +183,9 @@ def run_controlplane(config: EngineConfig, bind: str, address: str, security: Se
 
 def run_serve(config: EngineConfig, address: str, bind: str | None = None, security: ServerSecurity | None = None,
               metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
-              insecure_plane: bool = False, traces_endpoint: str | None = None) -> int:
-    """Both planes on this host: the control plane here, the data plane in a supervised child."""
+              insecure_plane: bool = False, traces_endpoint: str | None = None, **drain: float) -> int:
+    """Both planes on this host: the control plane here, the data plane in a supervised child (stopped
+    after the drain). `drain`: drain_delay and drain_timeout (_serve)."""
     configure_logging("serve")
     keys = plane_security(bind or "", plane_keys, insecure_plane, "control plane")
     tmp = runtime_dir.make()
@@ -183,7 +200,7 @@ def run_serve(config: EngineConfig, address: str, bind: str | None = None, secur
     try:
         asyncio.run(_serve(config, data_plane or bind, address, on_data_plane_ready=supervisor.on_ready,
                            security=security, metrics_address=metrics_address, plane_keys=plane_keys or "",
-                           traces_endpoint=traces_endpoint))
+                           traces_endpoint=traces_endpoint, **drain))
     finally:
         supervisor.stop()
         if data_plane is not None:

@@ -26,7 +26,9 @@ def serve_in_background(serve_args: list[str], start_timeout: float = 600.0, **p
     from nanoplane.clients.client import Client
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "nanoplane", "serve", "--port", str(port), *serve_args], **popen)
+    # No load balancer to wait for on a private port: SIGTERM drains at once (SERVE_ARGS may say otherwise).
+    argv = [sys.executable, "-m", "nanoplane", "serve", "--port", str(port), "--drain-delay", "0", *serve_args]
+    proc = subprocess.Popen(argv, **popen)
     address = f"127.0.0.1:{port}"
     try:
         with Client(address) as client:

@@ -138,6 +138,10 @@ OPTIONS: tuple[Option, ...] = (
            frozenset({"serve", "controlplane"})),
     Option("otlp_traces_endpoint", str, None, "OTLP/gRPC collector of each request's OpenTelemetry spans, e.g. "
            "http://127.0.0.1:4317 (none: off; needs pip install 'nanoplane[tracing]')", _SERVING),
+    Option("drain_delay", float, 5.0, "seconds after SIGTERM with readiness NOT_SERVING but requests still taken, "
+           "so load balancers deregister the replica first", _SERVING),
+    Option("drain_timeout", float, 30.0, "seconds then given to the requests in flight before they are ended",
+           _SERVING),
     Option("bind", str, None, "ZeroMQ endpoint data planes connect to (serve: a private ipc:// socket)",
            frozenset({"serve", "controlplane"}), defaults={"controlplane": "tcp://127.0.0.1:5555"}),
     # The plane link's security (nanoplane/plane_keys.py).
