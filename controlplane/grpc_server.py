@@ -48,6 +48,20 @@ DEFAULT_SERVER_OPTIONS: list[tuple[str, object]] = [
 ]
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN = 4 << 20, 64  # gRPC's default; room for text of max_model_len tokens
+
+
+def connection_options(max_model_len: int, max_age_s: float = 0.0, age_grace_s: float = 30.0,
+                       max_request_bytes: int = 0) -> list[tuple[str, object]]:
+    """Server options: the largest request (0: from max_model_len; beyond it RESOURCE_EXHAUSTED) and, when
+    `max_age_s`, a GOAWAY after that long so clients reconnect, possibly to another replica, their streams
+    given `age_grace_s` to finish."""
+    size = max_request_bytes or max(MIN_REQUEST_BYTES, REQUEST_BYTES_PER_TOKEN * max_model_len)
+    options: list[tuple[str, object]] = [("grpc.max_receive_message_length", size)]
+    if max_age_s > 0:
+        options += [("grpc.max_connection_age_ms", int(max_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(age_grace_s * 1000))]
+    return options
 # Registers another protocol's servicer on the server, given this one's; returns its full service name.
 AddService = Callable[[grpc.aio.Server, "GenerationServicer"], str]
 # At shutdown, the time the streams still open after the grace get to send the engine's status.

@@ -25,7 +25,7 @@ from nanoplane.controlplane.dataplane_client import RemoteDataPlane
 from nanoplane.controlplane.engine import DataPlaneClient, Engine
 from nanoplane.controlplane.front_inproc import InProcessFront
 from nanoplane.controlplane.front_process import ProcessFront, engine_process_enabled
-from nanoplane.controlplane.grpc_server import GenerationServer
+from nanoplane.controlplane.grpc_server import GenerationServer, connection_options
 from nanoplane.controlplane.kv_events import buffer_size
 from nanoplane.controlplane.metrics import Metrics
 from nanoplane.controlplane.security import ServerSecurity
@@ -48,7 +48,8 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
                  model_name: str | None = None, recover: Callable[[Engine | None], Engine | None] | None = None,
                  recover_interval_s: float = 1.0, attach_now: bool = True,
                  attach_timeout_s: float = 2.0, security: ServerSecurity | None = None,
-                 metrics: Metrics | None = None, tracing: Tracing | None = None) -> GenerationServer:
+                 metrics: Metrics | None = None, tracing: Tracing | None = None,
+                 options: list[tuple[str, object]] | None = None) -> GenerationServer:
     """Tokenizer + in-process engine front + server, not yet started.
 
     attach_now: build the Engine here, which waits for the data plane (slow); otherwise the server
@@ -64,7 +65,7 @@ def build_server(config: EngineConfig, data_plane: DataPlaneClient, address: str
     engine = Engine(config, data_plane, tokenizer.eos_token_ids) if attach_now else None
     name = model_name or Path(config.model).name
     front = InProcessFront(engine, recover or attach, recover_interval_s, buffer_size(config))
-    return GenerationServer(front, tokenizer, name, address, security=security, metrics=metrics,
+    return GenerationServer(front, tokenizer, name, address, options, security=security, metrics=metrics,
                             services=[vllm_service(config, name)], tracing=tracing)
 
 
@@ -72,14 +73,15 @@ def build_process_server(config: EngineConfig, data_plane_address: str, address:
                          model_name: str | None = None, recover_interval_s: float = 1.0,
                          attach_timeout_s: float = 2.0, security: ServerSecurity | None = None,
                          metrics: Metrics | None = None, plane_keys: str = "",
-                         tracing: Tracing | None = None) -> GenerationServer:
+                         tracing: Tracing | None = None,
+                         options: list[tuple[str, object]] | None = None) -> GenerationServer:
     """build_server with the engine in its own process: the data plane attaches to the engine process
     at `data_plane_address` (which that process binds, with CURVE when `plane_keys` names a folder)."""
     tokenizer = Tokenizer(config.model)
     front = ProcessFront(config, data_plane_address, tokenizer.eos_token_ids, recover_interval_s, attach_timeout_s,
                          plane_keys)
     name = model_name or Path(config.model).name
-    return GenerationServer(front, tokenizer, name, address, security=security, metrics=metrics,
+    return GenerationServer(front, tokenizer, name, address, options, security=security, metrics=metrics,
                             services=[vllm_service(config, name)], tracing=tracing)
 
 
@@ -87,12 +89,13 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
                  ready: threading.Event | None = None, on_data_plane_ready: Callable[[bool], None] | None = None,
                  security: ServerSecurity | None = None, metrics_address: tuple[str, int] | None = None,
                  plane_keys: str = "", traces_endpoint: str | None = None, drain_delay: float = 5.0,
-                 drain_timeout: float = 30.0) -> None:
+                 drain_timeout: float = 30.0, max_connection_age: float = 0.0, max_request_bytes: int = 0) -> None:
     """`data_plane`: the socket ranks attach to (NANOPLANE_ENGINE_PROCESS=0), or the address that the
     engine process binds for them (the default). `on_data_plane_ready(ready)`: readiness changes.
     `metrics_address`: (host, port) of the Prometheus endpoint; None: no metrics. `traces_endpoint`: the
     OTLP collector of the requests' spans; None: no tracing, and OpenTelemetry is never imported.
-    `drain_delay`, `drain_timeout`: SIGTERM's graceful stop (GenerationServer.drain)."""
+    `drain_delay`, `drain_timeout`: SIGTERM's graceful stop (GenerationServer.drain); `max_connection_age`,
+    `max_request_bytes`: see connection_options."""
     set_gil_switch_interval()
     tracing = None
     if traces_endpoint:  # first too: a missing extra is refused before anything starts
@@ -108,13 +111,14 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
         log.info("Prometheus metrics on http://%s:%d/metrics", host, metrics_port)
     # The API answers at once (health NOT_SERVING) and the engine attaches the data plane when it is
     # ready, and again after a failure: a new engine (new epoch, step 0, empty prefix cache).
+    options = connection_options(config.max_model_len, max_connection_age, drain_timeout, max_request_bytes)
     if isinstance(data_plane, str):
         server = build_process_server(config, data_plane, address, security=security, metrics=metrics,
-                                      plane_keys=plane_keys, tracing=tracing)
+                                      plane_keys=plane_keys, tracing=tracing, options=options)
         plane_address = data_plane
     else:
         server = build_server(config, data_plane, address, attach_now=False, security=security, metrics=metrics,
-                              tracing=tracing)
+                              tracing=tracing, options=options)
         plane_address = data_plane.address
     if on_data_plane_ready is not None:
         server.front.add_ready_listener(on_data_plane_ready)
@@ -161,21 +165,21 @@ async def _serve(config: EngineConfig, data_plane: RemoteDataPlane | str, addres
 
 def run_controlplane(config: EngineConfig, bind: str, address: str, security: ServerSecurity | None = None,
                      metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
-                     insecure_plane: bool = False, traces_endpoint: str | None = None, **drain: float) -> int:
+                     insecure_plane: bool = False, traces_endpoint: str | None = None, **limits: float) -> int:
     """ValueError (before anything starts) for a tcp:// `bind` without `plane_keys` unless `insecure_plane`.
-    `drain`: drain_delay and drain_timeout (_serve)."""
+    `limits`: drain and connection limits (_serve)."""
     configure_logging("controlplane")
     keys = plane_security(bind, plane_keys, insecure_plane, "control plane")
     if engine_process_enabled():
         log.info("waiting for a data plane to connect to %s (engine process)", bind)
         asyncio.run(_serve(config, bind, address, security=security, metrics_address=metrics_address,
-                           plane_keys=plane_keys or "", traces_endpoint=traces_endpoint, **drain))
+                           plane_keys=plane_keys or "", traces_endpoint=traces_endpoint, **limits))
         return 0
     data_plane = RemoteDataPlane(bind, world_size=config.tensor_parallel_size, keys=keys)
     log.info("waiting for a data plane to connect to %s", data_plane.address)
     try:
         asyncio.run(_serve(config, data_plane, address, security=security, metrics_address=metrics_address,
-                           traces_endpoint=traces_endpoint, **drain))
+                           traces_endpoint=traces_endpoint, **limits))
     finally:
         data_plane.close()
     return 0
@@ -183,9 +187,9 @@ def run_controlplane(config: EngineConfig, bind: str, address: str, security: Se
 
 def run_serve(config: EngineConfig, address: str, bind: str | None = None, security: ServerSecurity | None = None,
               metrics_address: tuple[str, int] | None = None, plane_keys: str | None = None,
-              insecure_plane: bool = False, traces_endpoint: str | None = None, **drain: float) -> int:
+              insecure_plane: bool = False, traces_endpoint: str | None = None, **limits: float) -> int:
     """Both planes on this host: the control plane here, the data plane in a supervised child (stopped
-    after the drain). `drain`: drain_delay and drain_timeout (_serve)."""
+    after the drain). `limits`: drain and connection limits (_serve)."""
     configure_logging("serve")
     keys = plane_security(bind or "", plane_keys, insecure_plane, "control plane")
     tmp = runtime_dir.make()
@@ -200,7 +204,7 @@ def run_serve(config: EngineConfig, address: str, bind: str | None = None, secur
     try:
         asyncio.run(_serve(config, data_plane or bind, address, on_data_plane_ready=supervisor.on_ready,
                            security=security, metrics_address=metrics_address, plane_keys=plane_keys or "",
-                           traces_endpoint=traces_endpoint, **drain))
+                           traces_endpoint=traces_endpoint, **limits))
     finally:
         supervisor.stop()
         if data_plane is not None:

@@ -134,16 +134,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     security = server_security(args)
     return run_serve(engine_config(args), f"{args.host}:{args.port}", args.bind, security=security,
                      metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane,
-                     traces_endpoint=args.otlp_traces_endpoint, **drain_times(args))
+                     traces_endpoint=args.otlp_traces_endpoint, **server_limits(args))
 
 
-def drain_times(args: argparse.Namespace) -> dict[str, float]:
-    """SIGTERM's --drain-delay and --drain-timeout; ValueError for a negative one."""
-    times = {"drain_delay": args.drain_delay, "drain_timeout": args.drain_timeout}
-    for name, seconds in times.items():
-        if not seconds >= 0:
-            raise ValueError(f"--{name.replace('_', '-')} {seconds:g} must be seconds >= 0")
-    return times
+def server_limits(args: argparse.Namespace) -> dict[str, float]:
+    """SIGTERM's drain and the gRPC connections' limits; ValueError for a negative one."""
+    limits = {name: getattr(args, name) for name in ("drain_delay", "drain_timeout", "max_connection_age",
+                                                     "max_request_bytes")}
+    for name, value in limits.items():
+        if not value >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} {value:g} must be >= 0")
+    return limits
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
@@ -153,7 +154,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
     security = server_security(args)
     return run_controlplane(engine_config(args), args.bind, f"{args.host}:{args.port}", security=security,
                             metrics_address=metrics, plane_keys=args.plane_keys, insecure_plane=args.insecure_plane,
-                            traces_endpoint=args.otlp_traces_endpoint, **drain_times(args))
+                            traces_endpoint=args.otlp_traces_endpoint, **server_limits(args))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

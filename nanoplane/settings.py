@@ -142,6 +142,10 @@ OPTIONS: tuple[Option, ...] = (
            "so load balancers deregister the replica first", _SERVING),
     Option("drain_timeout", float, 30.0, "seconds then given to the requests in flight before they are ended",
            _SERVING),
+    Option("max_connection_age", float, 0.0, "seconds before a client connection is asked to reconnect, so long-lived "
+           "ones rebalance over replicas; its streams get --drain-timeout to finish (0: never)", _SERVING),
+    Option("max_request_bytes", int, 0, "largest request the gRPC API takes, else RESOURCE_EXHAUSTED (0: 64 bytes "
+           "a token of --max-model-len, at least 4 MiB)", _SERVING),
     Option("bind", str, None, "ZeroMQ endpoint data planes connect to (serve: a private ipc:// socket)",
            frozenset({"serve", "controlplane"}), defaults={"controlplane": "tcp://127.0.0.1:5555"}),
     # The plane link's security (nanoplane/plane_keys.py).

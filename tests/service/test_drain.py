@@ -124,3 +124,24 @@ def test_a_second_signal_stops_at_once(tiny_models):
         proc.send_signal(signal.SIGINT)
         proc.wait(20)
         assert time.monotonic() - sent < 20 and gone(kids)
+
+
+def test_connection_age_lets_streams_finish_and_requests_are_size_bounded(tiny_models):
+    """--max-connection-age: streams outliving the age still finish (the grace is --drain-timeout);
+    a request over --max-request-bytes gets RESOURCE_EXHAUSTED saying how large it was."""
+    flags = ("--max-connection-age", "1", "--drain-timeout", "60", "--max-request-bytes", "20000")
+    with serving(tiny_models["qwen3"], *flags) as (address, proc, kids):
+        t0 = time.monotonic()
+        running = streams(address, 6)
+        with Client(address) as client:
+            with pytest.raises(grpc.RpcError) as big:
+                client.tokenize("x" * 30000)
+            assert big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in big.value.details() and "20000" in big.value.details(), big.value.details()
+            assert client.tokenize("x" * 1000)
+            for s in running:
+                s.join(120)
+                assert s.error is None and len(s.tokens) == LONG, s.error
+            assert time.monotonic() - t0 > 1.5, "the streams did not outlive the connection age"
+            time.sleep(1.5)  # past the age: the client reconnects by itself
+            assert client.tokenize("after the age")

@@ -212,7 +212,7 @@ def test_model_info_and_tokenize(client, llm):
 
 
 def test_health_and_reflection(server, client):
-    assert client.health() == "SERVING" and client.health(SERVICE) == "SERVING"
+    assert client.health() == "SERVING" and client.health(SERVICE) == "SERVING" and client.health("") == "SERVING"
     with grpc.insecure_channel(server.address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))

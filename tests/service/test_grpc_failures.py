@@ -137,6 +137,7 @@ def test_data_plane_failure_and_recovery(model, error, caplog):
         status = c.server_status()
         assert not status.data_plane_ready and status.kv_blocks_used == 0 and status.running_requests == 0
         assert c.health() == "NOT_SERVING" and c.health(SERVICE) == "NOT_SERVING"
+        assert c.health("") == "SERVING"  # liveness: the process works while it waits for a data plane
         s.plane.fail = False  # the recover hook now succeeds
         wait_health(c, "SERVING")
         assert s.restarts == 1 and s.server.front.loop.engine.step_id == 0

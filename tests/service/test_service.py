@@ -155,7 +155,7 @@ def test_controlplane_answers_before_a_data_plane_attaches(tiny_models, embedded
             except grpc.RpcError:
                 assert time.monotonic() < deadline and control.poll() is None
                 time.sleep(0.2)
-        assert status == "NOT_SERVING"
+        assert status == "NOT_SERVING" and client.health("") == "SERVING"  # ready: no; live: yes
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(prompts()[0], max_tokens=4))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "data plane" in err.value.details()
