@@ -48,7 +48,10 @@ log = logging.getLogger(__name__)
 SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 SERVER_TYPE = "vllm-grpc"  # what vLLM's servicer reports; SMG picks its vLLM code paths by it
 FLUSH_RETRY_S = 0.05  # FlushCache with a timeout: how often to try again while the data plane is down
-VERSION = importlib.metadata.version("nanoplane")
+try:
+    VERSION = importlib.metadata.version("nanoplane")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0+checkout"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
